@@ -1,0 +1,65 @@
+"""The two encodings of protocol v1, one per WebSocket subprotocol.
+
+``tokenwire.v1.msgpack`` carries each frame as one binary WebSocket message holding one msgpack map;
+``tokenwire.v1.json`` carries it as one text message holding one JSON object. The schema is the same.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from protocol.errors import ErrorCode, ProtocolError
+
+MSGPACK_SUBPROTOCOL = "tokenwire.v1.msgpack"
+JSON_SUBPROTOCOL = "tokenwire.v1.json"
+SUBPROTOCOLS = (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+@dataclass(frozen=True, slots=True)
+class Codec:
+    """Encodes maps to WebSocket message payloads and back for one subprotocol."""
+
+    subprotocol: str
+
+    @property
+    def binary(self) -> bool:
+        return self.subprotocol == MSGPACK_SUBPROTOCOL
+
+    def encode(self, frame: dict[str, Any]) -> bytes | str:
+        if self.binary:
+            return msgpack.packb(frame, use_bin_type=True)
+        return json.dumps(frame, separators=(",", ":"), ensure_ascii=False)
+
+    def decode(self, data: bytes | str) -> object:
+        """Decode one WebSocket message into a Python object; ProtocolError(bad_frame) if it is not one."""
+        if self.binary:
+            if isinstance(data, str):
+                raise ProtocolError(
+                    ErrorCode.BAD_FRAME, f"text message on {MSGPACK_SUBPROTOCOL}: send binary msgpack frames"
+                )
+            try:
+                return msgpack.unpackb(data, raw=False, strict_map_key=True)
+            except Exception as exc:  # msgpack raises several unrelated types for bad input
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"invalid msgpack: {exc}"[:200]) from None
+        if isinstance(data, bytes):
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME, f"binary message on {JSON_SUBPROTOCOL}: send text JSON frames"
+            )
+        try:
+            return json.loads(data, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"invalid JSON: {exc}"[:200]) from None
+
+
+def codec_for(subprotocol: str) -> Codec:
+    if subprotocol not in SUBPROTOCOLS:
+        raise ValueError(f"unknown subprotocol {subprotocol!r}; expected one of {SUBPROTOCOLS}")
+    return Codec(subprotocol)

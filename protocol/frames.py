@@ -1,0 +1,554 @@
+"""Frame types of wire protocol v1 and their validation.
+
+Every frame on the wire is a map with a ``type`` key. ``parse_client_frame`` turns a decoded map into a
+typed frame or raises :class:`ProtocolError` with a message naming the field and what was expected;
+``Frame.to_wire()`` gives the map to encode. Unknown keys are ignored (forward compatibility); unknown
+``type`` values are not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+from protocol.errors import ErrorCode, ProtocolError
+
+PROTOCOL_VERSION = 1
+
+MAX_ID_CHARS = 64
+MAX_MESSAGES = 256
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 64
+MAX_MAX_TOKENS = 8192
+MAX_RESUME_POINTS = 256
+MAX_TOKEN_CHARS = 4096
+ROLES = ("system", "user", "assistant")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+REQUEST_STATES = ("queued", "running", "done", "failed", "cancelled")
+
+Wire: TypeAlias = dict[str, Any]
+
+
+def _bad(message: str, id: str | None = None) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_FRAME, message, id=id)
+
+
+def _is_int(v: object) -> bool:
+    # bool is an int subclass in Python; on the wire true/false are not numbers.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(float(v))  # type: ignore[arg-type]
+
+
+def _type_name(v: object) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if _is_int(v) or isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, bytes):
+        return "binary"
+    if isinstance(v, list | tuple):
+        return "array"
+    if isinstance(v, Mapping):
+        return "map"
+    return type(v).__name__
+
+
+def _req_id(raw: Mapping[str, Any], where: str = "id") -> str:
+    v = raw.get("id")
+    if v is None:
+        raise _bad(f"{where}: required field missing (string of 1-{MAX_ID_CHARS} characters)")
+    return _check_id(v, where)
+
+
+def _check_id(v: object, where: str) -> str:
+    if not isinstance(v, str):
+        raise _bad(f"{where}: expected a string of 1-{MAX_ID_CHARS} characters, got {_type_name(v)}")
+    if not 1 <= len(v) <= MAX_ID_CHARS:
+        raise _bad(f"{where}: expected 1-{MAX_ID_CHARS} characters, got {len(v)}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+        raise _bad(f"{where}: control characters are not allowed")
+    return v
+
+
+def _offset(v: object, where: str, id: str | None) -> int:
+    if not _is_int(v) or v < 0:  # type: ignore[operator]
+        raise _bad(f"{where}: expected a non-negative integer, got {_type_name(v)} {v!r}"[:200], id)
+    return v  # type: ignore[return-value]
+
+
+def _opt_str(raw: Mapping[str, Any], key: str, limit: int) -> str | None:
+    v = raw.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _bad(f"{key}: expected a string, got {_type_name(v)}")
+    if len(v) > limit:
+        raise _bad(f"{key}: longer than {limit} characters")
+    return v
+
+
+# --------------------------------------------------------------------------------------------------
+# client -> server
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    id: str
+    offset: int
+
+    def to_wire(self) -> Wire:
+        return {"id": self.id, "offset": self.offset}
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    v: int = PROTOCOL_VERSION
+    token: str | None = None
+    session_token: str | None = None
+    resume: tuple[ResumePoint, ...] = ()
+    type: Literal["hello"] = "hello"
+
+    def to_wire(self) -> Wire:
+        d: Wire = {"type": "hello", "v": self.v}
+        if self.token is not None:
+            d["token"] = self.token
+        if self.session_token is not None:
+            d["session_token"] = self.session_token
+        if self.resume:
+            d["resume"] = [p.to_wire() for p in self.resume]
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str
+    content: str
+
+    def to_wire(self) -> Wire:
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """Sampling parameters; ``None`` means the server's default."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def to_wire(self) -> Wire:
+        d: Wire = {}
+        for k in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = v
+        if self.stop:
+            d["stop"] = list(self.stop)
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class Chat:
+    id: str
+    content: str | None = None
+    messages: tuple[Message, ...] | None = None
+    params: Params = field(default_factory=Params)
+    type: Literal["chat"] = "chat"
+
+    def to_wire(self) -> Wire:
+        d: Wire = {"type": "chat", "id": self.id}
+        if self.content is not None:
+            d["content"] = self.content
+        if self.messages is not None:
+            d["messages"] = [m.to_wire() for m in self.messages]
+        p = self.params.to_wire()
+        if p:
+            d["params"] = p
+        return d
+
+    def canonical(self) -> str:
+        """The canonical payload: same string ⇔ same request (decides retry vs. idempotency conflict)."""
+        body = self.to_wire()
+        del body["type"], body["id"]
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    id: str
+    offset: int
+    type: Literal["resume"] = "resume"
+
+    def to_wire(self) -> Wire:
+        return {"type": "resume", "id": self.id, "offset": self.offset}
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    id: str
+    type: Literal["cancel"] = "cancel"
+
+    def to_wire(self) -> Wire:
+        return {"type": "cancel", "id": self.id}
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    ts: float | int | None = None
+    type: Literal["ping"] = "ping"
+
+    def to_wire(self) -> Wire:
+        d: Wire = {"type": "ping"}
+        if self.ts is not None:
+            d["ts"] = self.ts
+        return d
+
+
+ClientFrame: TypeAlias = Hello | Chat | Resume | Cancel | Ping
+
+
+def _parse_hello(raw: Mapping[str, Any]) -> Hello:
+    v = raw.get("v")
+    if v is None:
+        raise _bad("v: required field missing (protocol version, 1)")
+    if not _is_int(v):
+        raise _bad(f"v: expected an integer, got {_type_name(v)}")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION, f"v: this server speaks protocol version 1, not {v}"
+        )
+    token = _opt_str(raw, "token", MAX_TOKEN_CHARS)
+    session_token = _opt_str(raw, "session_token", MAX_TOKEN_CHARS)
+    points: list[ResumePoint] = []
+    rv = raw.get("resume")
+    if rv is not None:
+        if not isinstance(rv, list):
+            raise _bad(f"resume: expected an array of {{id, offset}}, got {_type_name(rv)}")
+        if len(rv) > MAX_RESUME_POINTS:
+            raise _bad(f"resume: at most {MAX_RESUME_POINTS} entries")
+        for i, p in enumerate(rv):
+            if not isinstance(p, Mapping):
+                raise _bad(f"resume[{i}]: expected a map {{id, offset}}, got {_type_name(p)}")
+            pid = _req_id(p, f"resume[{i}].id")
+            points.append(ResumePoint(pid, _offset(p.get("offset"), f"resume[{i}].offset", pid)))
+    return Hello(v=v, token=token, session_token=session_token, resume=tuple(points))
+
+
+def _parse_params(pv: object, id: str) -> Params:
+    if pv is None:
+        return Params()
+    if not isinstance(pv, Mapping):
+        raise _bad(f"params: expected a map, got {_type_name(pv)}", id)
+
+    def num(key: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+        v = pv.get(key)
+        if v is None:
+            return None
+        if not _is_number(v):
+            raise _bad(f"params.{key}: expected a number, got {_type_name(v)}", id)
+        f = float(v)
+        if f < lo or f > hi or (lo_open and f == lo):
+            bracket = "(" if lo_open else "["
+            raise _bad(f"params.{key}: expected a number in {bracket}{lo:g}, {hi:g}], got {f:g}", id)
+        return f
+
+    def integer(key: str, lo: int, hi: int) -> int | None:
+        v = pv.get(key)
+        if v is None:
+            return None
+        if not _is_int(v):
+            raise _bad(f"params.{key}: expected an integer, got {_type_name(v)}", id)
+        if not lo <= v <= hi:
+            raise _bad(f"params.{key}: expected an integer in [{lo}, {hi}], got {v}", id)
+        return int(v)
+
+    stop_v = pv.get("stop")
+    stop: tuple[str, ...] = ()
+    if stop_v is not None:
+        items = [stop_v] if isinstance(stop_v, str) else stop_v
+        if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS:
+            raise _bad(f"params.stop: expected a string or an array of at most {MAX_STOP_STRINGS}", id)
+        for s in items:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise _bad(f"params.stop: each stop string must have 1-{MAX_STOP_CHARS} characters", id)
+        stop = tuple(items)
+    return Params(
+        max_tokens=integer("max_tokens", 1, MAX_MAX_TOKENS),
+        temperature=num("temperature", 0.0, 2.0),
+        top_p=num("top_p", 0.0, 1.0, lo_open=True),
+        top_k=integer("top_k", 0, 1000),
+        seed=integer("seed", 0, 2**63 - 1),
+        stop=stop,
+    )
+
+
+def _parse_chat(raw: Mapping[str, Any]) -> Chat:
+    id = _req_id(raw)
+    content = raw.get("content")
+    messages_v = raw.get("messages")
+    if (content is None) == (messages_v is None):
+        raise _bad("chat: exactly one of content (string) or messages (array) is required", id)
+    messages: tuple[Message, ...] | None = None
+    if content is not None:
+        if not isinstance(content, str):
+            raise _bad(f"content: expected a string, got {_type_name(content)}", id)
+        if not content:
+            raise _bad("content: must not be empty", id)
+    else:
+        if not isinstance(messages_v, list):
+            raise _bad(f"messages: expected an array of {{role, content}}, got {_type_name(messages_v)}", id)
+        if not 1 <= len(messages_v) <= MAX_MESSAGES:
+            raise _bad(f"messages: expected 1-{MAX_MESSAGES} entries, got {len(messages_v)}", id)
+        out = []
+        for i, m in enumerate(messages_v):
+            if not isinstance(m, Mapping):
+                raise _bad(f"messages[{i}]: expected a map {{role, content}}, got {_type_name(m)}", id)
+            role, text = m.get("role"), m.get("content")
+            if role not in ROLES:
+                raise _bad(f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {role!r}"[:200], id)
+            if not isinstance(text, str):
+                raise _bad(f"messages[{i}].content: expected a string, got {_type_name(text)}", id)
+            out.append(Message(role, text))
+        messages = tuple(out)
+    return Chat(id=id, content=content, messages=messages, params=_parse_params(raw.get("params"), id))
+
+
+def _parse_resume(raw: Mapping[str, Any]) -> Resume:
+    id = _req_id(raw)
+    if "offset" not in raw:
+        raise _bad("offset: required field missing (non-negative integer)", id)
+    return Resume(id=id, offset=_offset(raw["offset"], "offset", id))
+
+
+def _parse_ping(raw: Mapping[str, Any]) -> Ping:
+    ts = raw.get("ts")
+    if ts is not None and not _is_number(ts):
+        raise _bad(f"ts: expected a number, got {_type_name(ts)}")
+    return Ping(ts=ts)
+
+
+_CLIENT_PARSERS = {
+    "hello": _parse_hello,
+    "chat": _parse_chat,
+    "resume": _parse_resume,
+    "cancel": lambda raw: Cancel(id=_req_id(raw)),
+    "ping": _parse_ping,
+}
+
+
+def _frame_type(raw: object, allowed: Mapping[str, object]) -> tuple[Mapping[str, Any], str]:
+    if not isinstance(raw, Mapping):
+        raise _bad(f"frame: expected a map with a 'type' key, got {_type_name(raw)}")
+    if not all(isinstance(k, str) for k in raw):
+        raise _bad("frame: map keys must be strings")
+    t = raw.get("type")
+    if t is None:
+        raise _bad("type: required field missing")
+    if not isinstance(t, str) or t not in allowed:
+        raise _bad(f"type: unknown frame type {t!r}; expected one of {', '.join(allowed)}"[:240])
+    return raw, t
+
+
+def parse_client_frame(raw: object) -> ClientFrame:
+    """Validate a decoded client frame. Raises ProtocolError (bad_frame, unsupported_version)."""
+    m, t = _frame_type(raw, _CLIENT_PARSERS)
+    frame: ClientFrame = _CLIENT_PARSERS[t](m)  # type: ignore[operator]
+    return frame
+
+
+# --------------------------------------------------------------------------------------------------
+# server -> client
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    session: str
+    session_token: str
+    server: str
+    limits: Mapping[str, int] = field(default_factory=dict)
+    v: int = PROTOCOL_VERSION
+    type: Literal["welcome"] = "welcome"
+
+    def to_wire(self) -> Wire:
+        return {
+            "type": "welcome",
+            "v": self.v,
+            "session": self.session,
+            "session_token": self.session_token,
+            "server": self.server,
+            "limits": dict(self.limits),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    id: str
+    epoch: int
+    state: str
+    type: Literal["accepted"] = "accepted"
+
+    def to_wire(self) -> Wire:
+        return {"type": "accepted", "id": self.id, "epoch": self.epoch, "state": self.state}
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    id: str
+    offset: int
+    n: int
+    text: str
+    type: Literal["delta"] = "delta"
+
+    def to_wire(self) -> Wire:
+        return {"type": "delta", "id": self.id, "offset": self.offset, "n": self.n, "text": self.text}
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def to_wire(self) -> Wire:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    id: str
+    finish_reason: str
+    offset: int
+    usage: Usage
+    type: Literal["done"] = "done"
+
+    def to_wire(self) -> Wire:
+        return {
+            "type": "done",
+            "id": self.id,
+            "finish_reason": self.finish_reason,
+            "offset": self.offset,
+            "usage": self.usage.to_wire(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    code: str
+    message: str
+    id: str | None = None
+    retry_after_ms: int | None = None
+    type: Literal["error"] = "error"
+
+    def to_wire(self) -> Wire:
+        d: Wire = {"type": "error", "code": self.code, "message": self.message}
+        if self.id is not None:
+            d["id"] = self.id
+        if self.retry_after_ms is not None:
+            d["retry_after_ms"] = self.retry_after_ms
+        return d
+
+    @classmethod
+    def from_exc(cls, exc: ProtocolError) -> Error:
+        return cls(code=exc.code.value, message=exc.message, id=exc.id, retry_after_ms=exc.retry_after_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    ts: float | int | None = None
+    type: Literal["pong"] = "pong"
+
+    def to_wire(self) -> Wire:
+        d: Wire = {"type": "pong"}
+        if self.ts is not None:
+            d["ts"] = self.ts
+        return d
+
+
+ServerFrame: TypeAlias = Welcome | Accepted | Delta | Done | Error | Pong
+
+
+def _field(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], t: str) -> Any:
+    v = raw.get(key)
+    if not isinstance(v, kind) or isinstance(v, bool):
+        raise _bad(f"{t}.{key}: expected {getattr(kind, '__name__', kind)}, got {_type_name(v)}")
+    return v
+
+
+def _parse_welcome(r: Mapping[str, Any]) -> Welcome:
+    limits = r.get("limits", {})
+    if not isinstance(limits, Mapping):
+        raise _bad("welcome.limits: expected a map")
+    return Welcome(
+        v=_field(r, "v", int, "welcome"),
+        session=_field(r, "session", str, "welcome"),
+        session_token=_field(r, "session_token", str, "welcome"),
+        server=_field(r, "server", str, "welcome"),
+        limits=dict(limits),
+    )
+
+
+def _parse_done(r: Mapping[str, Any]) -> Done:
+    reason = _field(r, "finish_reason", str, "done")
+    if reason not in FINISH_REASONS:
+        raise _bad(f"done.finish_reason: expected one of {', '.join(FINISH_REASONS)}, got {reason!r}")
+    u = r.get("usage")
+    if not isinstance(u, Mapping):
+        raise _bad("done.usage: expected a map {prompt_tokens, completion_tokens}")
+    return Done(
+        id=_req_id(r),
+        finish_reason=reason,
+        offset=_offset(r.get("offset"), "done.offset", None),
+        usage=Usage(
+            _offset(u.get("prompt_tokens"), "done.usage.prompt_tokens", None),
+            _offset(u.get("completion_tokens"), "done.usage.completion_tokens", None),
+        ),
+    )
+
+
+def _parse_error(r: Mapping[str, Any]) -> Error:
+    rid = r.get("id")
+    retry = r.get("retry_after_ms")
+    if retry is not None:
+        retry = _offset(retry, "error.retry_after_ms", None)
+    return Error(
+        code=_field(r, "code", str, "error"),
+        message=_field(r, "message", str, "error"),
+        id=_check_id(rid, "error.id") if rid is not None else None,
+        retry_after_ms=retry,
+    )
+
+
+_SERVER_PARSERS = {
+    "welcome": _parse_welcome,
+    "accepted": lambda r: Accepted(
+        id=_req_id(r), epoch=_field(r, "epoch", int, "accepted"), state=_field(r, "state", str, "accepted")
+    ),
+    "delta": lambda r: Delta(
+        id=_req_id(r),
+        offset=_offset(r.get("offset"), "delta.offset", None),
+        n=_offset(r.get("n"), "delta.n", None),
+        text=_field(r, "text", str, "delta"),
+    ),
+    "done": _parse_done,
+    "error": _parse_error,
+    "pong": lambda r: Pong(ts=r.get("ts")),
+}
+
+
+def parse_server_frame(raw: object) -> ServerFrame:
+    """Validate a decoded server frame (used by clients and the conformance tests)."""
+    m, t = _frame_type(raw, _SERVER_PARSERS)
+    frame: ServerFrame = _SERVER_PARSERS[t](m)  # type: ignore[operator]
+    return frame

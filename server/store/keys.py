@@ -1,0 +1,38 @@
+"""Key names. One prefix per deployment (or per test), so tenants and tests never touch each other's keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = "tw:"
+
+    def _scoped(self, kind: str, owner: str, id: str) -> str:
+        # The owner's length goes first so that no (owner, id) pair can collide with another one,
+        # whatever characters a JWT subject or a request id contains.
+        return f"{self.prefix}{kind}:{len(owner)}:{owner}:{id}"
+
+    def request(self, owner: str, id: str) -> str:
+        return self._scoped("req", owner, id)
+
+    def log(self, owner: str, id: str) -> str:
+        return self._scoped("log", owner, id)
+
+    def history(self, session: str) -> str:
+        return f"{self.prefix}hist:{session}"
+
+    def session(self, session: str) -> str:
+        return f"{self.prefix}sess:{session}"
+
+    @property
+    def queue(self) -> str:
+        return f"{self.prefix}queue"
+
+    @property
+    def queued_count(self) -> str:
+        return f"{self.prefix}queued"
+
+    def wake(self, reader: str) -> str:
+        return f"{self.prefix}wake:{reader}"

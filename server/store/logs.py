@@ -1,0 +1,140 @@
+"""Reading token logs: one blocking XREAD per reader process serves every attached stream.
+
+A gateway attaches many (connection, request) pairs to logs. Rather than one polling task per request,
+``LogReader`` keeps one task that issues a single ``XREAD BLOCK`` over all attached logs (each from the
+lowest position any of its subscribers still needs) and hands entries to subscribers. Attaching a new log
+XADDs to this reader's own wake stream, which is part of every XREAD, so the blocking read returns at once
+and the next one includes the new log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """A delta (``finish`` is None) or the end of the log (``finish`` set, ``n`` = 0, ``offset`` = total)."""
+
+    offset: int
+    n: int
+    text: str
+    finish: str | None = None
+    prompt_tokens: int = 0
+    error_code: str = ""
+    error_message: str = ""
+
+    @staticmethod
+    def parse(fields: dict[bytes, bytes]) -> LogEntry:
+        d = {k.decode(): v.decode() for k, v in fields.items()}
+        if "d" in d:
+            return LogEntry(
+                offset=int(d["o"]),
+                n=0,
+                text="",
+                finish=d["d"],
+                prompt_tokens=int(d.get("pt") or 0),
+                error_code=d.get("e", ""),
+                error_message=d.get("m", ""),
+            )
+        return LogEntry(offset=int(d["o"]), n=int(d["n"]), text=d["t"])
+
+
+def position(offset: int) -> str:
+    """The stream id just before the entry that starts at ``offset``."""
+    return f"{offset}-0"
+
+
+@dataclass(eq=False, slots=True)
+class Subscription:
+    key: str
+    last_id: str
+    queue: asyncio.Queue[LogEntry] = field(default_factory=asyncio.Queue)
+    closed: bool = False
+
+
+def _id_tuple(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class LogReader:
+    """Fans token-log entries out to subscribers with one blocking read (see the module docstring)."""
+
+    def __init__(self, r: aioredis.Redis, wake_key: str, *, block_ms: int = 2000, count: int = 256) -> None:
+        # ``r`` should be a client of its own: a blocking XREAD holds its connection. ``block_ms`` stays
+        # under redis-py's default 5 s socket timeout.
+        self.r = r
+        self.wake_key = wake_key
+        self.block_ms = block_ms
+        self.count = count
+        self._subs: dict[str, set[Subscription]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wake_id = "$"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="log-reader")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self.r.delete(self.wake_key)
+
+    async def subscribe(self, key: str, offset: int) -> Subscription:
+        """Receive the log at ``key`` from token ``offset`` on (replay, then live) until unsubscribed."""
+        sub = Subscription(key, position(offset))
+        self._subs.setdefault(key, set()).add(sub)
+        await self.r.xadd(self.wake_key, {"k": key}, maxlen=16, approximate=True)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        sub.closed = True
+        subs = self._subs.get(sub.key)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._subs[sub.key]
+
+    async def _run(self) -> None:
+        if self._wake_id == "$":
+            # Resolve "$" once, so a wake-up XADDed between two reads is never missed.
+            info = await self.r.xinfo_stream(self.wake_key) if await self.r.exists(self.wake_key) else None
+            self._wake_id = info["last-generated-id"].decode() if info else "0-0"
+        while True:
+            streams: dict[str, str] = {self.wake_key: self._wake_id}
+            for key, subs in self._subs.items():
+                streams[key] = min((s.last_id for s in subs), key=_id_tuple)
+            try:
+                res = await self.r.xread(streams, count=self.count, block=self.block_ms)  # type: ignore[arg-type]
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis restarting, connection dropped: retry, never die silently
+                log.warning("log_reader.read_failed", error=str(exc))
+                await asyncio.sleep(0.2)
+                continue
+            for stream, entries in res or []:
+                key = stream.decode()
+                if key == self.wake_key:
+                    self._wake_id = entries[-1][0].decode()
+                    continue
+                self._dispatch(key, entries)
+
+    def _dispatch(self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        for sub in list(self._subs.get(key, ())):
+            last = _id_tuple(sub.last_id)
+            for raw_id, fields in entries:
+                entry_id = raw_id.decode()
+                if _id_tuple(entry_id) <= last:
+                    continue
+                sub.last_id = entry_id
+                sub.queue.put_nowait(LogEntry.parse(fields))

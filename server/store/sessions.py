@@ -1,0 +1,69 @@
+"""Sessions: a conversation's history in Redis, and the signed token that lets a client reclaim it."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+
+import redis.asyncio as aioredis
+
+from server.store.keys import Keys
+
+
+class SessionStore:
+    """Session tokens are ``<session id>.<HMAC(secret, session id, owner)>``: only the owner who got a
+    token in ``welcome`` can present it again, on any gateway sharing the secret."""
+
+    def __init__(self, r: aioredis.Redis, keys: Keys, secret: bytes, ttl_ms: int) -> None:
+        self.r = r
+        self.keys = keys
+        self.secret = secret
+        self.ttl_ms = ttl_ms
+
+    @staticmethod
+    def new_id() -> str:
+        return secrets.token_urlsafe(12)
+
+    def token(self, session: str, owner: str) -> str:
+        mac = hmac.new(self.secret, f"{session}\n{owner}".encode(), hashlib.sha256).hexdigest()[:32]
+        return f"{session}.{mac}"
+
+    @staticmethod
+    def owner_for(session: str, user: str | None) -> str:
+        """Who owns a session's requests: the authenticated user, or for anonymous use the session itself."""
+        return user if user is not None else f"anon:{session}"
+
+    def verify(self, token: str, user: str | None) -> str | None:
+        """The session id if ``token`` was issued to this user (or this anonymous session); else None."""
+        session, _, mac = token.partition(".")
+        if not session or not mac:
+            return None
+        good = self.token(session, self.owner_for(session, user))
+        return session if hmac.compare_digest(good, token) else None
+
+    async def touch(self, session: str, owner: str) -> None:
+        """Record the session (idempotent) and extend its TTL."""
+        k = self.keys.session(session)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hsetnx(k, "owner", owner)
+        pipe.pexpire(k, self.ttl_ms)
+        pipe.pexpire(self.keys.history(session), self.ttl_ms)
+        await pipe.execute()
+
+    async def history(self, session: str) -> list[dict[str, str]]:
+        raw = await self.r.lrange(self.keys.history(session), 0, -1)
+        return [json.loads(x) for x in raw]
+
+
+async def shared_secret(r: aioredis.Redis, keys: Keys, configured: str | None) -> bytes:
+    """The session-signing secret: the configured one, else one generated once and kept in Redis so that
+    every gateway on this Redis signs and verifies alike."""
+    if configured:
+        return configured.encode()
+    k = f"{keys.prefix}session-secret"
+    await r.set(k, secrets.token_hex(32), nx=True)
+    v = await r.get(k)
+    assert v is not None
+    return v if isinstance(v, bytes) else str(v).encode()

@@ -1,0 +1,151 @@
+"""Feeds the engine from the store and writes each engine step back to the token logs.
+
+The engine thread hands over all of a step's outputs in one call; this loop turns them into one
+pipelined round trip to Redis (append + finish scripts), and stops generating any request the store says
+this worker no longer holds (it was cancelled, or taken over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+
+import structlog
+
+from server.engine.api import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    Engine,
+    GenerationRequest,
+    SamplingParams,
+    StepOutput,
+)
+from server.store.requests import RequestStore, StepOp, WorkItem
+
+log = structlog.get_logger(__name__)
+
+
+def params_from_payload(p: dict[str, object]) -> SamplingParams:
+    def get(key: str, default: object) -> object:
+        v = p.get(key)
+        return default if v is None else v
+
+    stop = p.get("stop") or ()
+    return SamplingParams(
+        max_tokens=int(get("max_tokens", DEFAULT_MAX_TOKENS)),  # type: ignore[call-overload]
+        temperature=float(get("temperature", DEFAULT_TEMPERATURE)),  # type: ignore[arg-type]
+        top_p=float(get("top_p", DEFAULT_TOP_P)),  # type: ignore[arg-type]
+        top_k=int(get("top_k", 0)),  # type: ignore[call-overload]
+        seed=int(get("seed", 0)),  # type: ignore[call-overload]
+        stop=tuple(stop),  # type: ignore[arg-type]
+    )
+
+
+class Worker:
+    def __init__(self, store: RequestStore, engine: Engine, *, name: str | None = None, max_running: int = 64) -> None:
+        self.store = store
+        self.engine = engine
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.max_running = max_running
+        self._items: dict[str, WorkItem] = {}
+        self._replies: dict[str, list[str]] = {}
+        self._steps: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._room = asyncio.Event()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await self.store.ensure_group()
+        self.engine.start(lambda outs: loop.call_soon_threadsafe(self._steps.put_nowait, outs))
+        self._room.set()
+        self._tasks = [
+            asyncio.create_task(self._take_loop(), name="worker-take"),
+            asyncio.create_task(self._write_loop(), name="worker-write"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+
+    async def _take_loop(self) -> None:
+        while True:
+            await self._room.wait()
+            try:
+                room = self.max_running - len(self._items)
+                entries = await self.store.take(self.name, count=max(1, room), block_ms=1000)
+                for entry_id, req_key in entries:
+                    item = await self.store.start(self.name, entry_id, req_key)
+                    if item is not None:
+                        self._run(item)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("worker.take_failed")
+                await asyncio.sleep(0.5)
+
+    def _run(self, item: WorkItem) -> None:
+        p = item.payload
+        key = item.req_key
+        self._items[key] = item
+        self._replies[key] = []
+        if len(self._items) >= self.max_running:
+            self._room.clear()
+        self.engine.submit(
+            GenerationRequest(
+                key=key,
+                messages=p["messages"],
+                params=params_from_payload(p.get("params") or {}),
+            )
+        )
+        log.info("request.started", request_id=p["id"], session=p.get("session"), worker=self.name)
+
+    async def _write_loop(self) -> None:
+        while True:
+            outs = await self._steps.get()
+            # If Redis fell behind, several engine steps may be waiting: write them in one round trip.
+            while not self._steps.empty():
+                outs.extend(self._steps.get_nowait())
+            ops: list[StepOp] = []
+            for o in outs:
+                item = self._items.get(o.key)
+                if item is None:
+                    continue  # already cancelled here
+                reply = self._replies[o.key]
+                reply.append(o.text)
+                ops.append(
+                    StepOp(
+                        item=item,
+                        offset=o.offset,
+                        n=o.n,
+                        text=o.text,
+                        prompt_tokens=o.prompt_tokens,
+                        finish=o.finish,
+                        reply_text="".join(reply) if o.finish else "",
+                        error_code=o.error_code,
+                        error_message=o.error_message,
+                    )
+                )
+            try:
+                held = await self.store.write_step(ops, self.name)
+            except Exception:
+                log.exception("worker.write_failed")
+                held = [False] * len(ops)
+            for op, ok in zip(ops, held, strict=True):
+                key = op.item.req_key
+                if not ok and op.finish is None:
+                    self.engine.cancel(key)  # cancelled or no longer ours: stop spending compute on it
+                if not ok or op.finish is not None:
+                    self._items.pop(key, None)
+                    self._replies.pop(key, None)
+                    if op.finish is not None:
+                        log.info("request.finished", request_id=op.item.payload["id"], finish=op.finish,
+                                 tokens=op.offset + op.n)
+            if len(self._items) < self.max_running:
+                self._room.set()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
@@ -340,7 +340,7 @@ def _parse_ping(raw: Mapping[str, Any]) -> Ping:
     return Ping(ts=ts)
 
 
-_CLIENT_PARSERS = {
+_CLIENT_PARSERS: dict[str, Callable[[Mapping[str, Any]], ClientFrame]] = {
     "hello": _parse_hello,
     "chat": _parse_chat,
     "resume": _parse_resume,
@@ -365,8 +365,7 @@ def _frame_type(raw: object, allowed: Mapping[str, object]) -> tuple[Mapping[str
 def parse_client_frame(raw: object) -> ClientFrame:
     """Validate a decoded client frame. Raises ProtocolError (bad_frame, unsupported_version)."""
     m, t = _frame_type(raw, _CLIENT_PARSERS)
-    frame: ClientFrame = _CLIENT_PARSERS[t](m)  # type: ignore[operator]
-    return frame
+    return _CLIENT_PARSERS[t](m)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -530,7 +529,7 @@ def _parse_error(r: Mapping[str, Any]) -> Error:
     )
 
 
-_SERVER_PARSERS = {
+_SERVER_PARSERS: dict[str, Callable[[Mapping[str, Any]], ServerFrame]] = {
     "welcome": _parse_welcome,
     "accepted": lambda r: Accepted(
         id=_req_id(r), epoch=_field(r, "epoch", int, "accepted"), state=_field(r, "state", str, "accepted")
@@ -550,5 +549,4 @@ _SERVER_PARSERS = {
 def parse_server_frame(raw: object) -> ServerFrame:
     """Validate a decoded server frame (used by clients and the conformance tests)."""
     m, t = _frame_type(raw, _SERVER_PARSERS)
-    frame: ServerFrame = _SERVER_PARSERS[t](m)  # type: ignore[operator]
-    return frame
+    return _SERVER_PARSERS[t](m)

@@ -67,7 +67,9 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
         from server.engine.simple import SimpleEngine
         from server.worker.loop import Worker
 
-        loaded = await loop.run_in_executor(None, lambda: load_model(cfg.model, device=cfg.device, dtype=cfg.dtype))
+        loaded = await loop.run_in_executor(
+            None, lambda: load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+        )
         engine = SimpleEngine(loaded)
         worker = Worker(store, engine, max_running=cfg.max_running)
         await worker.start()

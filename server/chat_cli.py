@@ -47,8 +47,11 @@ async def run_chat(
     try:
         if once is not None:
             return 0 if await _ask(client, once, params) else 1
-        print(f"connected to {url} (session {client.welcome.session if client.welcome else '?'}); "
-              "empty line or Ctrl-D to quit", file=sys.stderr)
+        print(
+            f"connected to {url} (session {client.welcome.session if client.welcome else '?'}); "
+            "empty line or Ctrl-D to quit",
+            file=sys.stderr,
+        )
         loop = asyncio.get_running_loop()
         while True:
             line = await loop.run_in_executor(None, lambda: input("> "))

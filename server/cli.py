@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -33,18 +34,23 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         session_secret=os.environ.get("TOKENWIRE_SESSION_SECRET") or None,
     )
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(cfg))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
     from server.chat_cli import run_chat
 
-    return asyncio.run(run_chat(args.url, token=args.token, once=args.message, temperature=args.temperature,
-                                max_tokens=args.max_tokens))
+    return asyncio.run(
+        run_chat(
+            args.url,
+            token=args.token,
+            once=args.message,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
     s.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     s.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
-    s.add_argument("--auth-secret", help="require hello.token: an HS256 JWT signed with this secret "
-                   "(or $TOKENWIRE_AUTH_SECRET)")
+    s.add_argument(
+        "--auth-secret",
+        help="require hello.token: an HS256 JWT signed with this secret (or $TOKENWIRE_AUTH_SECRET)",
+    )
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=_serve)
 

@@ -1,1 +1,1 @@
-"""Inference engine: model loading, sampling, detokenisation and the generation loop (no sockets, no redis)."""
+"""Inference engine: model loading, sampling, detokenisation, the generation loop (no sockets, no redis)."""

@@ -131,13 +131,15 @@ def pick_device(requested: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_model(model_dir: str | Path | None = None, *, device: str | None = None, dtype: str = "auto") -> LoadedModel:
+def load_model(
+    model_dir: str | Path | None = None, *, device: str | None = None, dtype: str = "auto"
+) -> LoadedModel:
     """Load a causal LM and its tokenizer from ``model_dir`` (default: the packaged SmolLM2)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     t0 = time.perf_counter()
     if model_dir is None:
         path = default_model_dir()
@@ -154,7 +156,7 @@ def load_model(model_dir: str | Path | None = None, *, device: str | None = None
     else:
         torch_dtype = getattr(torch, dtype)
     attn = "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch_dtype, local_files_only=True, attn_implementation=attn
     )
     model.to(dev)
@@ -175,5 +177,7 @@ def load_model(model_dir: str | Path | None = None, *, device: str | None = None
         dtype=torch_dtype,
         load_seconds=time.perf_counter() - t0,
     )
-    log.info("model.loaded", name=name, device=dev, dtype=str(torch_dtype), seconds=round(loaded.load_seconds, 2))
+    log.info(
+        "model.loaded", name=name, device=dev, dtype=str(torch_dtype), seconds=round(loaded.load_seconds, 2)
+    )
     return loaded

@@ -87,8 +87,15 @@ class SimpleEngine:
                 except Exception as exc:  # never let one bad step kill the engine thread
                     log.exception("engine.step_failed")
                     outs = [
-                        StepOutput(s.req.key, s.offset, 0, "", finish="error", error_code="internal",
-                                   error_message=f"engine error: {exc}"[:200])
+                        StepOutput(
+                            s.req.key,
+                            s.offset,
+                            0,
+                            "",
+                            finish="error",
+                            error_code="internal",
+                            error_message=f"engine error: {exc}"[:200],
+                        )
                         for s in self._seqs.values()
                     ]
                     self._seqs.clear()
@@ -104,8 +111,19 @@ class SimpleEngine:
             else:
                 ids = fit_messages(req.messages, self.m.encode_chat, self.max_prompt_tokens)
         except PromptTooLarge as exc:
-            self._on_step([StepOutput(req.key, len(req.resume_ids), 0, "", finish="error",
-                                      error_code="too_large", error_message=str(exc))])
+            self._on_step(
+                [
+                    StepOutput(
+                        req.key,
+                        len(req.resume_ids),
+                        0,
+                        "",
+                        finish="error",
+                        error_code="too_large",
+                        error_message=str(exc),
+                    )
+                ]
+            )
             return
         detok = Detokenizer(self.m.decode, req.params.stop)
         detok.prime(req.resume_ids)
@@ -118,8 +136,8 @@ class SimpleEngine:
         finished: list[str] = []
         for key, s in self._seqs.items():
             ids = torch.tensor([s.next_input], device=self.m.device)
-            out = self.m.model(input_ids=ids, past_key_values=s.cache, use_cache=True)
-            s.cache = out.past_key_values
+            out = self.m.model(input_ids=ids, cache=s.cache, use_cache=True, logits_to_keep=1)
+            s.cache = out.cache
             index = len(s.req.resume_ids) + s.generated  # this token's offset in the completion
             token = sample(out.logits[:, -1, :], [s.req.params], [index])[0]
             s.next_input = [token]

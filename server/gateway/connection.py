@@ -103,11 +103,16 @@ class Connection:
                 self.proto.send(Pong(ts=frame.ts))
         except ProtocolError as exc:
             self.proto.send_error(exc)
-        except Exception as exc:  # a bug or a store outage must not take the connection down
+        except Exception as exc:  # a bug or a store outage must not take the server down
             self.log.exception("connection.frame_failed", frame=frame.type)
-            self.proto.send_error(
-                ProtocolError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}", id=getattr(frame, "id", None))
+            err = ProtocolError(
+                ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}", id=getattr(frame, "id", None)
             )
+            if isinstance(frame, Hello) and not self.proto.welcomed:
+                # Without a welcome the connection is of no use: say so and let the client reconnect.
+                self.proto.fail(err, CloseCode.INTERNAL_ERROR)
+            else:
+                self.proto.send_error(err)
 
     async def _hello(self, hello: Hello) -> None:
         try:
@@ -147,6 +152,9 @@ class Connection:
     async def _chat(self, chat: Chat) -> None:
         fingerprint = hashlib.sha256(chat.canonical().encode()).hexdigest()
         params = chat.params.to_wire()
+        # The server's own limit, advertised in welcome.limits.max_tokens, caps what a client asks for.
+        settings = self.gw.settings
+        params["max_tokens"] = min(params.get("max_tokens", settings.default_max_tokens), settings.max_tokens)
         if chat.params.seed is None:
             # A fixed seed per request makes a re-run (another worker after a crash) draw the same text.
             params["seed"] = secrets.randbits(63)
@@ -217,8 +225,10 @@ class Connection:
             while True:
                 entry = await sub.queue.get()
                 batch = [entry]
-                while entry.finish is None and not sub.queue.empty() and expected + sum(e.n for e in batch) < (
-                    expected + MAX_TOKENS_PER_DELTA
+                while (
+                    entry.finish is None
+                    and not sub.queue.empty()
+                    and expected + sum(e.n for e in batch) < (expected + MAX_TOKENS_PER_DELTA)
                 ):
                     entry = sub.queue.get_nowait()
                     batch.append(entry)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from protocol import SUBPROTOCOLS, frames
+from protocol import SUBPROTOCOLS, CloseCode, frames
 from server.gateway.connection import Connection, handle
 from server.store.logs import LogReader
 from server.store.requests import RequestStore
@@ -31,7 +32,8 @@ class GatewaySettings:
     max_frame_bytes: int = 1 << 20
     auth_secret: str | None = None
     ping_interval_s: float = 20.0
-    max_tokens: int = frames.MAX_MAX_TOKENS
+    max_tokens: int = frames.MAX_MAX_TOKENS  # cap on params.max_tokens, advertised in welcome.limits
+    default_max_tokens: int = 256  # when a chat does not say
 
 
 class Gateway:
@@ -89,7 +91,12 @@ class Gateway:
         return port
 
     async def stop(self) -> None:
+        """Stop accepting, then close open connections with 1012 so clients reconnect and resume."""
         if self._server is not None:
-            self._server.close()
+            self._server.close(close_connections=False)
+            await asyncio.gather(
+                *(c.ws.close(CloseCode.SERVICE_RESTART, "server restarting") for c in list(self.connections)),
+                return_exceptions=True,
+            )
             await self._server.wait_closed()
         await self.reader.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -115,7 +116,7 @@ class LogReader:
             for key, subs in self._subs.items():
                 streams[key] = min((s.last_id for s in subs), key=_id_tuple)
             try:
-                res = await self.r.xread(streams, count=self.count, block=self.block_ms)  # type: ignore[arg-type]
+                res: Any = await self.r.xread(streams, count=self.count, block=self.block_ms)  # type: ignore[arg-type]
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis restarting, connection dropped: retry, never die silently

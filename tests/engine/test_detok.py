@@ -1,0 +1,71 @@
+"""Incremental detokenisation: whole UTF-8 only, stop strings never leak, offsets add up."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server.engine.detok import Detokenizer
+
+
+# A byte-level toy vocabulary: token i is one byte, so multi-byte characters span several tokens.
+def decode(ids: Sequence[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def run(text: str, stop: tuple[str, ...] = ()) -> tuple[list[tuple[int, str]], bool]:
+    d = Detokenizer(decode, stop)
+    out: list[tuple[int, str]] = []
+    stopped = False
+    for b in text.encode():
+        em = d.add(b)
+        if em is not None:
+            out.append((em.n, em.text))
+            if em.stopped:
+                stopped = True
+                break
+    if not stopped:
+        em = d.finish()
+        if em is not None:
+            out.append((em.n, em.text))
+    return out, stopped
+
+
+def test_multibyte_characters_are_emitted_whole() -> None:
+    out, _ = run("é東🚀")
+    assert [t for _, t in out] == ["é", "東", "🚀"]
+    assert [n for n, _ in out] == [2, 3, 4]
+
+
+def test_stop_string_is_cut_and_never_emitted() -> None:
+    out, stopped = run("Hello END world", stop=("END",))
+    assert stopped
+    assert "".join(t for _, t in out) == "Hello "
+    # "E" and "N" were held back (they might start END), never shown then retracted
+    assert all("E" not in t for _, t in out)
+
+
+def test_held_prefix_is_released_when_it_is_not_a_stop() -> None:
+    out, stopped = run("an ENd", stop=("END",))
+    assert not stopped and "".join(t for _, t in out) == "an ENd"
+
+
+def test_prime_does_not_reemit() -> None:
+    d = Detokenizer(decode)
+    d.prime(list(b"abc"))
+    em = d.add(ord("d"))
+    assert em is not None and (em.n, em.text) == (1, "d")
+
+
+@given(st.text(max_size=40), st.lists(st.text(min_size=1, max_size=4), max_size=2))
+def test_emissions_cover_every_token_and_the_text(text: str, stops: list[str]) -> None:
+    out, stopped = run(text, tuple(stops))
+    emitted = "".join(t for _, t in out)
+    if stopped:
+        cut = min(i for s in stops if (i := text.find(s)) != -1)
+        assert emitted == text[:cut]
+    else:
+        assert emitted == text
+        assert sum(n for n, _ in out) == len(text.encode())

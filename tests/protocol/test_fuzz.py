@@ -1,0 +1,274 @@
+"""Hostile input never crashes ServerConnection: whatever arrives, the answer is an error frame or an event.
+
+The ``xfail(strict=True)`` tests at the end pin known bugs in protocol/frames.py and protocol/codec.py; each
+turns into a failure (XPASS) once its bug is fixed, and should then lose its marker.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol import (
+    JSON_SUBPROTOCOL,
+    MSGPACK_SUBPROTOCOL,
+    Chat,
+    CloseCode,
+    Error,
+    ErrorCode,
+    parse_client_frame,
+    parse_server_frame,
+)
+from protocol.connection import ServerConnection, ServerState
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SUBPROTOCOLS = pytest.mark.parametrize("subprotocol", [MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL])
+ERROR_CODES = {c.value for c in ErrorCode}
+HELLO: dict[str, Any] = {"type": "hello", "v": 1}
+
+# ---- strategies --------------------------------------------------------------------------------
+
+_INT64 = st.integers(min_value=-(2**63), max_value=2**64 - 1)  # what msgpack can carry
+_SCALARS = st.none() | st.booleans() | _INT64 | st.floats() | st.text(max_size=80)
+_KEYS = st.sampled_from(
+    ["type", "id", "v", "content", "messages", "role", "params", "offset", "resume", "ts", "token", "stop"]
+) | st.text(max_size=8)
+
+# Anything msgpack can encode, keys included (ints and bytes as keys too).
+msgpack_objects = st.recursive(
+    _SCALARS | st.binary(max_size=40),
+    lambda kids: (
+        st.lists(kids, max_size=5)
+        | st.dictionaries(_KEYS | st.integers(-5, 5) | st.binary(max_size=4), kids, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+# Anything JSON can encode.
+json_objects = st.recursive(
+    st.none()
+    | st.booleans()
+    | _INT64
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=80),
+    lambda kids: st.lists(kids, max_size=5) | st.dictionaries(_KEYS, kids, max_size=5),
+    max_leaves=30,
+)
+
+_TYPES = st.sampled_from(["hello", "chat", "resume", "cancel", "ping", "welcome", "delta", "Chat", ""])
+_IDS = st.sampled_from(["r-1", "", "x" * 64, "x" * 65, "a\x00b", "é東🚀"]) | _SCALARS
+_PARAM_VALUES = st.sampled_from([0, 1, -1, 0.5, 1.0, 2.0, 3, 8192, 8193, True, "1", None]) | _SCALARS
+
+
+@st.composite
+def frame_like(draw: st.DrawFn, values: st.SearchStrategy[Any]) -> dict[str, Any]:
+    """A map shaped like a client frame, with each field present, absent, right or wrong."""
+    frame: dict[str, Any] = {"type": draw(_TYPES)}
+    optional = {
+        "id": _IDS,
+        "v": st.sampled_from([1, 2, 0, "1", 1.0, True]),
+        "content": st.text(max_size=20) | values,
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {}, optional={"role": st.sampled_from(["system", "user", "assistant", "bot"]) | values}
+            ).map(lambda m: {**m, "content": "c"})
+            | values,
+            max_size=3,
+        )
+        | values,
+        "params": st.dictionaries(
+            st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "stop"]),
+            _PARAM_VALUES | st.lists(st.text(max_size=70), max_size=6),
+            max_size=6,
+        )
+        | values,
+        "offset": st.integers(-3, 3) | values,
+        "ts": values,
+        "token": st.text(max_size=10) | values,
+        "resume": st.lists(
+            st.fixed_dictionaries({"id": _IDS, "offset": st.integers(-1, 5) | values}), max_size=3
+        )
+        | values,
+    }
+    for key, strategy in optional.items():
+        if draw(st.booleans()):
+            frame[key] = draw(strategy)
+    return frame
+
+
+# ---- checks ------------------------------------------------------------------------------------
+
+
+def _check_outputs(conn: ServerConnection) -> list[Error]:
+    """Every message the server queued is one valid, well-encoded error frame."""
+    errors: list[Error] = []
+    for message in conn.data_to_send():
+        if conn.codec.binary:
+            assert isinstance(message, bytes)
+        else:
+            assert isinstance(message, str)
+            message.encode("utf-8")  # a WebSocket text message must be valid UTF-8
+        frame = parse_server_frame(conn.codec.decode(message))
+        assert isinstance(frame, Error), frame
+        assert frame.code in ERROR_CODES
+        assert frame.message
+        assert len(frame.message) <= 240
+        errors.append(frame)
+    return errors
+
+
+def _check_events(conn: ServerConnection) -> None:
+    for event in conn.events_received():
+        # Whatever was accepted is normalised: it survives its own wire form unchanged.
+        assert parse_client_frame(event.to_wire()) == event
+        assert parse_client_frame(conn.codec.decode(conn.codec.encode(event.to_wire()))) == event
+        if isinstance(event, Chat):
+            assert json.loads(event.canonical())
+
+
+def _feed(subprotocol: str, message: bytes | str, *, after_hello: bool) -> ServerConnection:
+    conn = ServerConnection(subprotocol)
+    if after_hello:
+        conn.receive_data(conn.codec.encode(HELLO))
+        conn.events_received()
+    conn.receive_data(message)
+    errors = _check_outputs(conn)
+    _check_events(conn)
+    assert len(errors) <= 1
+    if conn.close_code is not None:
+        assert conn.close_code is CloseCode.PROTOCOL_ERROR
+        assert [e.code for e in errors] == [ErrorCode.UNSUPPORTED_VERSION]
+    return conn
+
+
+# ---- fuzz --------------------------------------------------------------------------------------
+
+
+@SUBPROTOCOLS
+@FUZZ
+@given(data=st.binary(max_size=200), after_hello=st.booleans())
+def test_random_bytes(subprotocol: str, data: bytes, after_hello: bool) -> None:
+    _feed(subprotocol, data, after_hello=after_hello)
+
+
+@SUBPROTOCOLS
+@FUZZ
+@given(obj=msgpack_objects, after_hello=st.booleans())
+def test_random_msgpack_objects(subprotocol: str, obj: object, after_hello: bool) -> None:
+    _feed(subprotocol, msgpack.packb(obj, use_bin_type=True), after_hello=after_hello)
+
+
+@FUZZ
+@given(obj=json_objects, after_hello=st.booleans(), ascii_only=st.booleans())
+def test_random_json_objects(obj: object, after_hello: bool, ascii_only: bool) -> None:
+    _feed(JSON_SUBPROTOCOL, json.dumps(obj, ensure_ascii=ascii_only), after_hello=after_hello)
+
+
+@SUBPROTOCOLS
+@FUZZ
+@given(text=st.text(max_size=200), after_hello=st.booleans())
+def test_random_text(subprotocol: str, text: str, after_hello: bool) -> None:
+    _feed(subprotocol, text, after_hello=after_hello)
+
+
+@SUBPROTOCOLS
+@FUZZ
+@given(frame=frame_like(msgpack_objects), after_hello=st.booleans())
+def test_frame_shaped_maps(subprotocol: str, frame: dict[str, Any], after_hello: bool) -> None:
+    if subprotocol == JSON_SUBPROTOCOL:
+        try:
+            message: bytes | str = json.dumps(frame, allow_nan=False)
+        except (TypeError, ValueError):  # bytes, int keys or NaN: not expressible in JSON
+            message = json.dumps(frame, default=repr)
+            if "NaN" in message or "Infinity" in message:
+                return
+    else:
+        message = msgpack.packb(frame, use_bin_type=True)
+    _feed(subprotocol, message, after_hello=after_hello)
+
+
+@SUBPROTOCOLS
+@FUZZ
+@given(
+    messages=st.lists(
+        frame_like(json_objects) | st.sampled_from([HELLO, {"type": "chat", "id": "ok", "content": "hi"}]),
+        max_size=40,
+    )
+)
+def test_message_sequences(subprotocol: str, messages: list[dict[str, Any]]) -> None:
+    """A whole conversation of good and bad frames: the connection obeys its own rules throughout."""
+    conn = ServerConnection(subprotocol)
+    bad_in_a_row = 0
+    for m in messages:
+        was_closing = conn.state is ServerState.CLOSING
+        conn.receive_data(conn.codec.encode(m))
+        errors = _check_outputs(conn)
+        events = conn.events_received()
+        if was_closing:
+            assert errors == [] and events == []
+            continue
+        assert len(errors) + len(events) == 1
+        bad_in_a_row = bad_in_a_row + 1 if errors else 0
+        if errors and errors[0].code == ErrorCode.UNSUPPORTED_VERSION:
+            assert conn.close_code is CloseCode.PROTOCOL_ERROR
+        elif bad_in_a_row >= 16:
+            assert conn.close_code is CloseCode.POLICY_VIOLATION
+        else:
+            assert conn.close_code is None
+
+
+# ---- known bugs (see the module docstring) -----------------------------------------------------
+
+_HUGE = "1" + "0" * 400  # a JSON integer no float can hold
+
+
+@pytest.mark.xfail(strict=True, raises=OverflowError, reason="frames._is_number: float(int) overflows")
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"type":"ping","ts":%s}' % _HUGE,
+        '{"type":"chat","id":"r-1","content":"hi","params":{"temperature":%s}}' % _HUGE,
+        '{"type":"chat","id":"r-1","content":"hi","params":{"top_p":-%s}}' % _HUGE,
+    ],
+    ids=["ping_ts", "temperature", "top_p"],
+)
+def test_huge_json_integer_in_a_number_field_is_a_bad_frame(text: str) -> None:
+    conn = _feed(JSON_SUBPROTOCOL, text, after_hello=True)
+    assert conn.close_code is None
+
+
+@pytest.mark.xfail(strict=True, raises=RecursionError, reason="frames: repr() of a deeply nested value")
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        b"\x81\xa4type",  # {"type": [[[...]]]}
+        b"\x83\xa4type\xa6resume\xa2id\xa1r\xa6offset",  # {"type": "resume", "id": "r", "offset": [[[...]]]}
+    ],
+    ids=["type", "offset"],
+)
+def test_deeply_nested_msgpack_value_is_a_bad_frame(prefix: bytes) -> None:
+    # msgpack itself accepts up to 1023 levels; the error message's repr() of the value does not.
+    _feed(MSGPACK_SUBPROTOCOL, prefix + b"\x91" * 1010 + b"\xc0", after_hello=True)
+
+
+@pytest.mark.xfail(strict=True, raises=UnicodeEncodeError, reason="codec: JSON lone surrogates accepted")
+def test_lone_surrogate_in_json_id_is_not_echoed() -> None:
+    # Before hello, the (readable) id is echoed in the error; "\ud800" cannot be sent in a text message.
+    _feed(JSON_SUBPROTOCOL, '{"type":"chat","id":"\\ud800","content":"hi"}', after_hello=False)
+
+
+@pytest.mark.xfail(strict=True, reason="codec: JSON lone surrogates accepted")
+def test_lone_surrogate_in_json_content_is_a_bad_frame() -> None:
+    # Accepted, this string breaks whatever encodes it next as UTF-8 (msgpack, Redis, the tokenizer).
+    conn = ServerConnection(JSON_SUBPROTOCOL)
+    conn.receive_data(conn.codec.encode(HELLO))
+    conn.events_received()
+    conn.receive_data('{"type":"chat","id":"r-1","content":"\\udc80"}')
+    assert conn.events_received() == []
+    [error] = _check_outputs(conn)
+    assert error.code == ErrorCode.BAD_FRAME

@@ -1,0 +1,144 @@
+"""The request state machine and token logs against a real Redis/Valkey."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import redis.asyncio as aioredis
+
+from server.store.keys import Keys
+from server.store.logs import LogReader
+from server.store.requests import RequestStore, Settings, StepOp
+
+PAYLOAD = {
+    "owner": "u1",
+    "id": "r1",
+    "session": "s1",
+    "messages": [{"role": "user", "content": "hi"}],
+    "params": {},
+}
+
+
+async def _started(store: RequestStore, worker: str = "w1"):  # type: ignore[no-untyped-def]
+    await store.ensure_group()
+    res = await store.submit(
+        "u1", "r1", "fp1", PAYLOAD, session="s1", user_message={"role": "user", "content": "hi"}
+    )
+    assert res.outcome == "new"
+    [(entry_id, req_key)] = await store.take(worker, count=10, block_ms=100)
+    item = await store.start(worker, entry_id, req_key)
+    assert item is not None
+    return item
+
+
+async def test_submit_is_idempotent_by_fingerprint(redis: aioredis.Redis, keys: Keys) -> None:
+    store = RequestStore(redis, keys)
+    await store.ensure_group()
+    first = await store.submit("u1", "r1", "fp1", PAYLOAD)
+    again = await store.submit("u1", "r1", "fp1", PAYLOAD)
+    other = await store.submit("u1", "r1", "fp2", PAYLOAD)
+    other_user = await store.submit("u2", "r1", "fp2", PAYLOAD)
+    assert (first.outcome, first.state, first.epoch) == ("new", "queued", 1)
+    assert (again.outcome, again.state) == ("attach", "queued")
+    assert other.outcome == "conflict"
+    assert other_user.outcome == "new"  # ids are scoped by owner
+    # Only the two new requests were queued: an attach never queues a second generation.
+    assert len(await store.take("w1", count=10, block_ms=100)) == 2
+
+
+async def test_lifecycle_log_and_history(redis: aioredis.Redis, keys: Keys) -> None:
+    store = RequestStore(redis, keys)
+    item = await _started(store)
+    info = await store.get("u1", "r1")
+    assert info is not None and info.state == "running"
+    # A second start of the same request is refused: it is no longer queued.
+    assert await store.start("w2", "0-0", item.req_key) is None
+
+    held = await store.write_step([StepOp(item, 0, 1, "Hel", 5), StepOp(item, 1, 2, "lo!", 5)], "w1")
+    assert held == [True, True]
+    # Out-of-order or repeated offsets are refused (no gap, no repeat).
+    assert await store.write_step([StepOp(item, 1, 1, "x", 5)], "w1") == [False]
+    # A worker that does not hold the request cannot write.
+    assert await store.write_step([StepOp(item, 3, 1, "x", 5)], "intruder") == [False]
+    done = await store.write_step(
+        [StepOp(item, 3, 1, " Bye", 5, finish="stop", reply_text="Hello! Bye")], "w1"
+    )
+    assert done == [True]
+
+    entries = await redis.xrange(item.log_key)
+    assert [e[0] for e in entries] == [b"0-1", b"1-1", b"3-1", b"4-2"]
+    assert entries[-1][1][b"d"] == b"stop" and entries[-1][1][b"o"] == b"4"
+    info = await store.get("u1", "r1")
+    assert info is not None
+    assert (info.state, info.completion_tokens, info.prompt_tokens, info.finish_reason) == (
+        "done",
+        4,
+        5,
+        "stop",
+    )
+    history = await redis.lrange(keys.history("s1"), 0, -1)
+    assert [json.loads(h) for h in history] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello! Bye"},
+    ]
+    # Finished requests are kept for the retention period, then expire.
+    assert 0 < await redis.pttl(item.req_key) <= Settings().retention_ms
+
+
+async def test_cancel_queued_running_finished_unknown(redis: aioredis.Redis, keys: Keys) -> None:
+    store = RequestStore(redis, keys)
+    item = await _started(store)
+    assert await store.write_step([StepOp(item, 0, 1, "a", 3)], "w1") == [True]
+    assert await store.cancel("u1", "r1") == "running"
+    # The worker learns at its next write that the request is no longer its to generate.
+    assert await store.write_step([StepOp(item, 1, 1, "b", 3)], "w1") == [False]
+    assert await store.cancel("u1", "r1") == "cancelled"  # idempotent, nothing changes
+    entries = await redis.xrange(item.log_key)
+    assert [e[0] for e in entries] == [b"0-1", b"1-2"]
+    assert entries[-1][1][b"d"] == b"cancelled"
+    assert await store.cancel("u1", "nope") is None
+    # A cancelled turn leaves no history.
+    assert await redis.llen(keys.history("s1")) == 0
+
+    await store.submit("u1", "q", "fp", {**PAYLOAD, "id": "q"})
+    assert await store.cancel("u1", "q") == "queued"
+    [(entry_id, req_key)] = await store.take("w1", count=10, block_ms=100)
+    assert await store.start("w1", entry_id, req_key) is None  # cancelled while waiting: never runs
+    assert int(await redis.get(keys.queued_count) or 0) == 0
+
+
+async def test_queue_limit_refuses_with_overloaded(redis: aioredis.Redis, keys: Keys) -> None:
+    store = RequestStore(redis, keys, Settings(max_queued=2))
+    await store.ensure_group()
+    outcomes = [(await store.submit("u", f"r{i}", "fp", PAYLOAD)).outcome for i in range(3)]
+    assert outcomes == ["new", "new", "overloaded"]
+    assert await store.get("u", "r2") is None  # a refused request leaves nothing behind
+
+
+async def test_log_reader_replays_then_follows(redis: aioredis.Redis, keys: Keys, redis_url: str) -> None:
+    store = RequestStore(redis, keys)
+    item = await _started(store)
+    await store.write_step([StepOp(item, 0, 1, "a", 1), StepOp(item, 1, 1, "b", 1)], "w1")
+    reader_r = aioredis.from_url(redis_url)
+    reader = LogReader(reader_r, keys.wake("test"), block_ms=1000)
+    reader.start()
+    try:
+        from_start = await reader.subscribe(item.log_key, 0)
+        from_one = await reader.subscribe(item.log_key, 1)
+        got0 = [await asyncio.wait_for(from_start.queue.get(), 5) for _ in range(2)]
+        got1 = [await asyncio.wait_for(from_one.queue.get(), 5)]
+        assert [e.text for e in got0] == ["a", "b"] and [e.offset for e in got0] == [0, 1]
+        assert [e.text for e in got1] == ["b"]
+        # Live entries reach both subscribers through the same blocking read.
+        await store.write_step([StepOp(item, 2, 1, "c", 1, finish="length", reply_text="abc")], "w1")
+        for sub in (from_start, from_one):
+            c = await asyncio.wait_for(sub.queue.get(), 5)
+            end = await asyncio.wait_for(sub.queue.get(), 5)
+            assert (c.offset, c.text) == (2, "c")
+            assert (end.finish, end.offset, end.prompt_tokens) == ("length", 3, 1)
+        reader.unsubscribe(from_start)
+        reader.unsubscribe(from_one)
+    finally:
+        await reader.stop()
+        await reader_r.aclose()

@@ -23,6 +23,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise ValueError("an object repeats a key")
+    return d
+
+
 @dataclass(frozen=True, slots=True)
 class Codec:
     """Encodes maps to WebSocket message payloads and back for one subprotocol."""
@@ -54,9 +61,13 @@ class Codec:
                 ErrorCode.BAD_FRAME, f"binary message on {JSON_SUBPROTOCOL}: send text JSON frames"
             )
         try:
-            return json.loads(data, parse_constant=_reject_constant)
+            obj = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+            # JSON escapes can spell lone surrogates ("\ud800"), which are not Unicode text: refuse them
+            # here rather than fail later when the string is encoded for a reply or the store.
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
         except (ValueError, RecursionError) as exc:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"invalid JSON: {exc}"[:200]) from None
+        return obj
 
 
 def codec_for(subprotocol: str) -> Codec:

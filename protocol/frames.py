@@ -42,7 +42,17 @@ def _is_int(v: object) -> bool:
 
 
 def _is_number(v: object) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(float(v))  # type: ignore[arg-type]
+    # Integers beyond 2**63 are refused rather than converted: float() of a huge int raises OverflowError.
+    if _is_int(v):
+        return abs(v) <= 2**63  # type: ignore[arg-type]
+    return isinstance(v, float) and math.isfinite(v)
+
+
+def _short(v: object) -> str:
+    """A bounded description of a bad value for an error message (never repr of a deep structure)."""
+    if isinstance(v, str | int | float | bool) or v is None:
+        return repr(v)[:40]
+    return _type_name(v)
 
 
 def _type_name(v: object) -> str:
@@ -82,7 +92,7 @@ def _check_id(v: object, where: str) -> str:
 
 def _offset(v: object, where: str, id: str | None) -> int:
     if not _is_int(v) or v < 0:  # type: ignore[operator]
-        raise _bad(f"{where}: expected a non-negative integer, got {_type_name(v)} {v!r}"[:200], id)
+        raise _bad(f"{where}: expected a non-negative integer, got {_type_name(v)} {_short(v)}", id)
     return v  # type: ignore[return-value]
 
 
@@ -105,9 +115,13 @@ def _opt_str(raw: Mapping[str, Any], key: str, limit: int) -> str | None:
 class ResumePoint:
     id: str
     offset: int
+    epoch: int | None = None  # the epoch the client's partial text belongs to (from accepted)
 
     def to_wire(self) -> Wire:
-        return {"id": self.id, "offset": self.offset}
+        d: Wire = {"id": self.id, "offset": self.offset}
+        if self.epoch is not None:
+            d["epoch"] = self.epoch
+        return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,10 +204,14 @@ class Chat:
 class Resume:
     id: str
     offset: int
+    epoch: int | None = None
     type: Literal["resume"] = "resume"
 
     def to_wire(self) -> Wire:
-        return {"type": "resume", "id": self.id, "offset": self.offset}
+        d: Wire = {"type": "resume", "id": self.id, "offset": self.offset}
+        if self.epoch is not None:
+            d["epoch"] = self.epoch
+        return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +261,8 @@ def _parse_hello(raw: Mapping[str, Any]) -> Hello:
             if not isinstance(p, Mapping):
                 raise _bad(f"resume[{i}]: expected a map {{id, offset}}, got {_type_name(p)}")
             pid = _req_id(p, f"resume[{i}].id")
-            points.append(ResumePoint(pid, _offset(p.get("offset"), f"resume[{i}].offset", pid)))
+            off = _offset(p.get("offset"), f"resume[{i}].offset", pid)
+            points.append(ResumePoint(pid, off, _epoch(p.get("epoch"), f"resume[{i}].epoch", pid)))
     return Hello(v=v, token=token, session_token=session_token, resume=tuple(points))
 
 
@@ -318,7 +337,7 @@ def _parse_chat(raw: Mapping[str, Any]) -> Chat:
                 raise _bad(f"messages[{i}]: expected a map {{role, content}}, got {_type_name(m)}", id)
             role, text = m.get("role"), m.get("content")
             if role not in ROLES:
-                raise _bad(f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {role!r}"[:200], id)
+                raise _bad(f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {_short(role)}", id)
             if not isinstance(text, str):
                 raise _bad(f"messages[{i}].content: expected a string, got {_type_name(text)}", id)
             out.append(Message(role, text))
@@ -330,7 +349,17 @@ def _parse_resume(raw: Mapping[str, Any]) -> Resume:
     id = _req_id(raw)
     if "offset" not in raw:
         raise _bad("offset: required field missing (non-negative integer)", id)
-    return Resume(id=id, offset=_offset(raw["offset"], "offset", id))
+    return Resume(
+        id=id, offset=_offset(raw["offset"], "offset", id), epoch=_epoch(raw.get("epoch"), "epoch", id)
+    )
+
+
+def _epoch(v: object, where: str, id: str) -> int | None:
+    if v is None:
+        return None
+    if not _is_int(v) or not 1 <= v <= 2**31:  # type: ignore[operator]
+        raise _bad(f"{where}: expected a positive integer, got {_type_name(v)} {_short(v)}", id)
+    return int(v)  # type: ignore[call-overload,no-any-return]
 
 
 def _parse_ping(raw: Mapping[str, Any]) -> Ping:
@@ -358,7 +387,7 @@ def _frame_type(raw: object, allowed: Mapping[str, object]) -> tuple[Mapping[str
     if t is None:
         raise _bad("type: required field missing")
     if not isinstance(t, str) or t not in allowed:
-        raise _bad(f"type: unknown frame type {t!r}; expected one of {', '.join(allowed)}"[:240])
+        raise _bad(f"type: unknown frame type {_short(t)}; expected one of {', '.join(allowed)}")
     return raw, t
 
 
@@ -501,7 +530,7 @@ def _parse_welcome(r: Mapping[str, Any]) -> Welcome:
 def _parse_done(r: Mapping[str, Any]) -> Done:
     reason = _field(r, "finish_reason", str, "done")
     if reason not in FINISH_REASONS:
-        raise _bad(f"done.finish_reason: expected one of {', '.join(FINISH_REASONS)}, got {reason!r}")
+        raise _bad(f"done.finish_reason: expected one of {', '.join(FINISH_REASONS)}, got {_short(reason)}")
     u = r.get("usage")
     if not isinstance(u, Mapping):
         raise _bad("done.usage: expected a map {prompt_tokens, completion_tokens}")

@@ -83,7 +83,7 @@ def client_frames() -> list[tuple[str, ClientFrame]]:
             Hello(
                 token=JWT,
                 session_token=SESSION_TOKEN,
-                resume=(ResumePoint("req-1", 0), ResumePoint("req-2", 1234)),
+                resume=(ResumePoint("req-1", 0), ResumePoint("req-2", 1234, epoch=2)),
             ),
         ),
         ("chat_content", Chat(id="req-1", content="Hello!")),
@@ -126,6 +126,7 @@ def client_frames() -> list[tuple[str, ClientFrame]]:
         ("chat_stop_unicode", Chat(id="req-8", content="Hi", params=Params(stop=("🚀",)))),
         ("resume", Resume(id="req-1", offset=42)),
         ("resume_from_zero", Resume(id="req-1", offset=0)),
+        ("resume_with_epoch", Resume(id="req-1", offset=7, epoch=1)),
         ("cancel", Cancel(id="req-1")),
         ("ping", Ping()),
         ("ping_ts_int", Ping(ts=1700000000000)),
@@ -144,7 +145,15 @@ def server_frames() -> list[tuple[str, ServerFrame]]:
                 limits={"max_frame_bytes": 1048576, "max_inflight": 8, "max_tokens": MAX_MAX_TOKENS},
             ),
         ),
-        ("welcome_no_limits", Welcome(session="sess-1", session_token="st", server="tokenwire")),
+        (
+            "welcome_required_limits",
+            Welcome(
+                session="sess-1",
+                session_token="st",
+                server="tokenwire",
+                limits={"max_frame_bytes": 1048576, "max_tokens": MAX_MAX_TOKENS},
+            ),
+        ),
     ]
     frames += [(f"accepted_{s}", Accepted(id="req-1", epoch=3, state=s)) for s in REQUEST_STATES]
     frames += [
@@ -314,6 +323,8 @@ _MSGPACK_INVALID: list[tuple[str, bytes | str, str, str | None]] = [
     ("resume_missing_id", _mp({"type": "resume", "offset": 0}), "bad_frame", None),
     ("resume_missing_offset", _mp({"type": "resume", "id": "req-1"}), "bad_frame", "req-1"),
     ("resume_negative_offset", _mp({"type": "resume", "id": "req-1", "offset": -1}), "bad_frame", "req-1"),
+    ("resume_epoch_zero", _mp({"type": "resume", "id": "req-1", "offset": 0, "epoch": 0}), "bad_frame", "req-1"),
+    ("resume_epoch_string", _mp({"type": "resume", "id": "req-1", "offset": 0, "epoch": "1"}), "bad_frame", "req-1"),
     ("resume_offset_float", _mp({"type": "resume", "id": "req-1", "offset": 1.5}), "bad_frame", "req-1"),
     ("resume_offset_string", _mp({"type": "resume", "id": "req-1", "offset": "0"}), "bad_frame", "req-1"),
     ("resume_offset_boolean", _mp({"type": "resume", "id": "req-1", "offset": False}), "bad_frame", "req-1"),

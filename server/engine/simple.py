@@ -30,6 +30,7 @@ class _Seq:
     generated: int = 0  # tokens generated in this run (counts against max_tokens with resumed ones)
     cache: Any = None
     next_input: list[int] = field(default_factory=list)
+    completion: list[int] = field(default_factory=list)  # every completion token id, resumed ones first
 
 
 class SimpleEngine:
@@ -127,7 +128,14 @@ class SimpleEngine:
             return
         detok = Detokenizer(self.m.decode, req.params.stop)
         detok.prime(req.resume_ids)
-        seq = _Seq(req, ids, detok, offset=len(req.resume_ids), next_input=ids + list(req.resume_ids))
+        seq = _Seq(
+            req,
+            ids,
+            detok,
+            offset=len(req.resume_ids),
+            next_input=ids + list(req.resume_ids),
+            completion=list(req.resume_ids),
+        )
         self._seqs[req.key] = seq
         self.requests_started += 1
 
@@ -141,6 +149,7 @@ class SimpleEngine:
             index = len(s.req.resume_ids) + s.generated  # this token's offset in the completion
             token = sample(out.logits[:, -1, :], [s.req.params], [index])[0]
             s.next_input = [token]
+            s.completion.append(token)
             s.generated += 1
             self.tokens_generated += 1
             o = self._post(s, token)
@@ -176,7 +185,15 @@ class SimpleEngine:
         if n == 0 and finish is None:
             return None
         s.offset += n
-        return StepOutput(s.req.key, start, n, text, finish=finish, prompt_tokens=len(s.prompt_ids))
+        return StepOutput(
+            s.req.key,
+            start,
+            n,
+            text,
+            token_ids=tuple(s.completion[start : start + n]),
+            finish=finish,
+            prompt_tokens=len(s.prompt_ids),
+        )
 
 
 def _merge(a: Any, b: Any) -> Any:

@@ -96,7 +96,7 @@ class Connection:
             elif isinstance(frame, Chat):
                 await self._chat(frame)
             elif isinstance(frame, Resume):
-                await self._resume(frame.id, frame.offset)
+                await self._resume(frame.id, frame.offset, frame.epoch)
             elif isinstance(frame, Cancel):
                 await self._cancel(frame)
             elif isinstance(frame, Ping):
@@ -145,7 +145,7 @@ class Connection:
         )
         for point in hello.resume:
             try:
-                await self._resume(point.id, point.offset)
+                await self._resume(point.id, point.offset, point.epoch)
             except ProtocolError as exc:
                 self.proto.send_error(exc)
 
@@ -191,16 +191,26 @@ class Connection:
         self.proto.send(Accepted(id=chat.id, epoch=res.epoch, state=res.state))
         self._attach(chat.id, 0)
 
-    async def _resume(self, id: str, offset: int) -> None:
+    async def _resume(self, id: str, offset: int, epoch: int | None) -> None:
         info = await self.gw.store.get(self.owner, id)
         if info is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=id)
+        if epoch is not None and epoch != info.epoch and offset > 0:
+            # The log the client's text came from is gone; a stream from this offset would splice two
+            # different generations. The client must start over (from offset 0 of the new epoch).
+            raise ProtocolError(
+                ErrorCode.RESUME_FAILED,
+                f"epoch: the request restarted (epoch {info.epoch}, yours {epoch}); resume from offset 0",
+                id=id,
+            )
         if offset > info.completion_tokens:
             raise ProtocolError(
                 ErrorCode.BAD_FRAME,
                 f"offset: {offset} is past the {info.completion_tokens} tokens generated so far",
                 id=id,
             )
+        # Back within the detach timeout: postpone it now, not at the next periodic touch.
+        await self.gw.store.touch([self.gw.store.keys.request(self.owner, id)])
         self.proto.send(Accepted(id=id, epoch=info.epoch, state=info.state))
         self._attach(id, offset)
 
@@ -219,7 +229,9 @@ class Connection:
     async def _stream(self, id: str, offset: int) -> None:
         """Forward the log of request ``id`` from ``offset``: deltas, then done (or an error)."""
         key = self.gw.store.keys.log(self.owner, id)
+        req_key = self.gw.store.keys.request(self.owner, id)
         sub = await self.gw.reader.subscribe(key, offset)
+        self.gw.attach(req_key)
         expected = offset
         try:
             while True:
@@ -253,6 +265,7 @@ class Connection:
         except ConnectionClosed:
             pass
         finally:
+            self.gw.detach(req_key)
             self.gw.reader.unsubscribe(sub)
             if self._attached.get(id) is asyncio.current_task():
                 del self._attached[id]

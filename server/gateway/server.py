@@ -54,7 +54,32 @@ class Gateway:
         self.reader = LogReader(reader_redis, store.keys.wake(self.name))
         self.ready = ready
         self.connections: set[Connection] = set()
+        self._attached: dict[str, int] = {}  # request key -> streams of this process attached to it
         self._server: Server | None = None
+        self._touch_task: asyncio.Task[None] | None = None
+
+    def attach(self, req_key: str) -> None:
+        self._attached[req_key] = self._attached.get(req_key, 0) + 1
+
+    def detach(self, req_key: str) -> None:
+        n = self._attached.get(req_key, 0) - 1
+        if n > 0:
+            self._attached[req_key] = n
+        else:
+            self._attached.pop(req_key, None)
+
+    async def _touch_loop(self) -> None:
+        """Tell the store, a few times per detach timeout, which requests have a client attached here;
+        a request nobody touches for the detach timeout is cancelled by the worker at its next step."""
+        period = self.store.settings.detach_timeout_ms / 3000
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.store.touch(list(self._attached))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("gateway.touch_failed", error=str(exc))
 
     def limits(self) -> dict[str, int]:
         return {"max_frame_bytes": self.settings.max_frame_bytes, "max_tokens": self.settings.max_tokens}
@@ -74,6 +99,7 @@ class Gateway:
     async def start(self) -> int:
         """Listen; returns the bound port (useful with port 0)."""
         self.reader.start()
+        self._touch_task = asyncio.create_task(self._touch_loop(), name="gateway-touch")
         self._server = await serve(
             lambda ws: handle(self, ws),
             self.settings.host,
@@ -99,4 +125,6 @@ class Gateway:
                 return_exceptions=True,
             )
             await self._server.wait_closed()
+        if self._touch_task is not None:
+            self._touch_task.cancel()
         await self.reader.stop()

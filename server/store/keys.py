@@ -34,5 +34,14 @@ class Keys:
     def queued_count(self) -> str:
         return f"{self.prefix}queued"
 
+    @property
+    def workers(self) -> str:
+        """Zset of worker leases: member = worker id, score = lease expiry (ms, Redis clock)."""
+        return f"{self.prefix}workers"
+
+    def worker_requests(self, worker: str) -> str:
+        """Set of the request keys a worker is running (cancel.lua builds this name itself)."""
+        return f"{self.prefix}wreqs:{worker}"
+
     def wake(self, reader: str) -> str:
         return f"{self.prefix}wake:{reader}"

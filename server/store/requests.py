@@ -1,15 +1,18 @@
 """Request state machine and token logs in Redis (DESIGN.md §4).
 
-States: ``queued → running → done | failed | cancelled``. Each transition is one Lua script (``lua/``),
-so a crash between two commands can never leave a request half-moved. The token log of a request is a
-Redis Stream whose entry ids encode token offsets: a delta starting at offset ``o`` has id ``o-1`` and the
-end entry at total ``t`` has id ``t-2``; reading from ``o-0`` therefore starts exactly at offset ``o``.
+States: ``queued → running → done | failed | cancelled``, and ``running → queued`` when the worker's
+lease lapses. Each transition is one Lua script (``lua/``, loaded once and called by SHA), so a crash
+between two commands can never leave a request half-moved; scripts read the clock with Redis ``TIME`` so
+gateways and workers on different machines agree on it.
+
+The token log of a request is a Redis Stream whose entry ids encode token offsets: a delta starting at
+offset ``o`` has id ``o-1`` and the end entry at total ``t`` has id ``t-2``; reading from ``o-0``
+therefore starts exactly at offset ``o``, and a second write of an offset is impossible.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -20,10 +23,6 @@ from redis.commands.core import AsyncScript
 from server.store.keys import Keys
 
 FINAL_STATES = frozenset({"done", "failed", "cancelled"})
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def _load_script(r: aioredis.Redis, name: str) -> AsyncScript:
@@ -63,7 +62,7 @@ class WorkItem:
     log_key: str
     history_key: str
     payload: dict[str, Any]
-    completion_tokens: int
+    completion_tokens: int  # > 0: a re-queued request to continue after these logged tokens
     epoch: int
 
 
@@ -71,13 +70,31 @@ class WorkItem:
 class Settings:
     retention_ms: int = 24 * 3600 * 1000
     unfinished_ttl_ms: int = 7 * 24 * 3600 * 1000
-    max_queued: int = 0  # 0: unbounded here; the engine bounds its own waiting queue
+    detach_timeout_ms: int = 30_000
+    lease_ttl_ms: int = 10_000
+    max_queued: int = 0  # 0: unbounded
     history_max_messages: int = 64
     session_ttl_ms: int = 24 * 3600 * 1000
 
 
+@dataclass(slots=True)
+class StepOp:
+    """One request's share of an engine step: a delta (``n`` > 0) and/or its end (``finish``)."""
+
+    item: WorkItem
+    offset: int
+    n: int
+    text: str
+    prompt_tokens: int
+    token_ids: tuple[int, ...] = ()
+    finish: str | None = None
+    reply_text: str = ""
+    error_code: str = ""
+    error_message: str = ""
+
+
 class RequestStore:
-    """Requests, their token logs and the work queue. Every method is one round trip unless noted."""
+    """Requests, their token logs, the work queue and worker leases."""
 
     GROUP = "workers"
 
@@ -90,6 +107,11 @@ class RequestStore:
         self._append = _load_script(r, "append")
         self._finish = _load_script(r, "finish")
         self._cancel = _load_script(r, "cancel")
+        self._touch = _load_script(r, "touch")
+        self._heartbeat = _load_script(r, "heartbeat")
+        self._reap = _load_script(r, "reap")
+
+    # ---- client side (gateway) ---------------------------------------------------------------
 
     async def submit(
         self,
@@ -108,6 +130,7 @@ class RequestStore:
         ``user_message`` is appended to the session history when the request ends normally.
         """
         k = self.keys
+        st = self.settings
         res = await self._submit(
             keys=[k.request(owner, id), k.queue, k.queued_count],
             args=[
@@ -115,11 +138,11 @@ class RequestStore:
                 id,
                 fingerprint,
                 json.dumps(payload, separators=(",", ":")),
-                now_ms(),
                 session,
                 json.dumps(user_message) if user_message else "",
-                self.settings.unfinished_ttl_ms,
-                self.settings.max_queued,
+                st.unfinished_ttl_ms,
+                st.max_queued,
+                st.detach_timeout_ms,
             ],
         )
         outcome, epoch, state = _s(res[0]), int(res[1]), _s(res[2])
@@ -151,9 +174,15 @@ class RequestStore:
         k = self.keys
         res = await self._cancel(
             keys=[k.request(owner, id), k.log(owner, id), k.queued_count],
-            args=[now_ms(), self.settings.retention_ms],
+            args=[self.settings.retention_ms, k.prefix],
         )
         return None if res is None else _s(res)
+
+    async def touch(self, req_keys: list[str]) -> int:
+        """Record that clients are attached to these requests now (postpones the detach timeout)."""
+        if not req_keys:
+            return 0
+        return int(await self._touch(keys=req_keys, args=[self.settings.detach_timeout_ms]))
 
     # ---- worker side ---------------------------------------------------------------------------
 
@@ -179,58 +208,93 @@ class RequestStore:
     async def start(self, worker: str, entry_id: str, req_key: str) -> WorkItem | None:
         """queued → running for ``worker`` and acknowledge the queue entry, in one round trip.
 
-        None if the request is no longer queued (cancelled while waiting, or expired).
+        None if the request is no longer queued (cancelled while waiting, detached too long, expired).
         """
+        owner, id = await self._owner_id(req_key)
+        if owner is None:
+            await self.r.xack(self.keys.queue, self.GROUP, entry_id)
+            return None
+        log_key = self.keys.log(owner, id)
         pipe = self.r.pipeline(transaction=False)
-        await self._start(keys=[req_key, self.keys.queued_count], args=[worker, now_ms()], client=pipe)
+        await self._start(
+            keys=[req_key, self.keys.queued_count, log_key, self.keys.worker_requests(worker)],
+            args=[worker, self.settings.retention_ms],
+            client=pipe,
+        )
         pipe.xack(self.keys.queue, self.GROUP, entry_id)
         res, _ = await pipe.execute()
         if not res:
             return None
         payload = json.loads(_s(res[0]))
-        owner, id = payload["owner"], payload["id"]
         return WorkItem(
             req_key=req_key,
-            log_key=self.keys.log(owner, id),
+            log_key=log_key,
             history_key=self.keys.history(payload.get("session") or "-"),
             payload=payload,
             completion_tokens=int(res[1]),
             epoch=int(res[2]),
         )
 
+    async def _owner_id(self, req_key: str) -> tuple[str | None, str]:
+        f = await self.r.hmget(req_key, ["owner", "id"])
+        return (None, "") if f[0] is None else (_s(f[0]), _s(f[1]))
+
+    async def logged_tokens(self, log_key: str) -> tuple[list[int], str]:
+        """The token ids and the text of a log's deltas, in order (to continue a re-queued request)."""
+        ids: list[int] = []
+        text: list[str] = []
+        entries: Any = await self.r.xrange(log_key)
+        for _id, fields in entries:
+            raw = fields.get(b"k")
+            if raw:
+                ids.extend(int(x) for x in raw.split(b","))
+            if b"t" in fields:
+                text.append(fields[b"t"].decode())
+        return ids, "".join(text)
+
     async def write_step(self, ops: list[StepOp], worker: str) -> list[bool]:
         """Apply one engine step for all its sequences in one pipelined round trip.
 
         Each op appends a delta (when it has tokens) and, when it is final, ends the request. Returns, per
-        op, whether the worker still holds the request; False means stop generating it (cancelled).
+        op, whether the worker still holds the request; False means stop generating it (cancelled,
+        detached too long, or taken over by another worker after this one's lease lapsed).
         """
         if not ops:
             return []
+        st = self.settings
+        wreqs = self.keys.worker_requests(worker)
         pipe = self.r.pipeline(transaction=False)
         calls: list[int] = []
         for op in ops:
             n = 0
             if op.n > 0:
                 await self._append(
-                    keys=[op.item.req_key, op.item.log_key],
-                    args=[worker, op.offset, op.n, op.text, op.prompt_tokens],
+                    keys=[op.item.req_key, op.item.log_key, wreqs],
+                    args=[
+                        worker,
+                        op.offset,
+                        op.n,
+                        op.text,
+                        op.prompt_tokens,
+                        ",".join(map(str, op.token_ids)),
+                        st.retention_ms,
+                    ],
                     client=pipe,
                 )
                 n += 1
             if op.finish is not None:
                 await self._finish(
-                    keys=[op.item.req_key, op.item.log_key, op.item.history_key],
+                    keys=[op.item.req_key, op.item.log_key, op.item.history_key, wreqs],
                     args=[
                         worker,
                         op.finish,
                         op.prompt_tokens,
                         op.reply_text,
-                        now_ms(),
-                        self.settings.retention_ms,
+                        st.retention_ms,
                         op.error_code,
                         op.error_message,
-                        self.settings.history_max_messages,
-                        self.settings.session_ttl_ms,
+                        st.history_max_messages,
+                        st.session_ttl_ms,
                     ],
                     client=pipe,
                 )
@@ -240,20 +304,20 @@ class RequestStore:
         out: list[bool] = []
         i = 0
         for n in calls:
-            ok = all(int(results[j]) == 1 for j in range(i, i + n))
-            out.append(ok)
+            out.append(all(int(results[j]) == 1 for j in range(i, i + n)))
             i += n
         return out
 
+    async def heartbeat(self, worker: str) -> list[str]:
+        """Renew this worker's lease; returns workers whose leases have lapsed."""
+        dead = await self._heartbeat(keys=[self.keys.workers], args=[worker, self.settings.lease_ttl_ms])
+        return [_s(d) for d in dead or []]
 
-@dataclass(slots=True)
-class StepOp:
-    item: WorkItem
-    offset: int
-    n: int
-    text: str
-    prompt_tokens: int
-    finish: str | None = None
-    reply_text: str = ""
-    error_code: str = ""
-    error_message: str = ""
+    async def reap(self, dead_worker: str) -> int:
+        """Re-queue a lapsed worker's running requests (atomic); -1 if its lease turned out live."""
+        k = self.keys
+        return int(
+            await self._reap(
+                keys=[k.workers, k.worker_requests(dead_worker), k.queue, k.queued_count], args=[dead_worker]
+            )
+        )

@@ -67,9 +67,11 @@ class Worker:
 
         self.engine.start(on_step)
         self._room.set()
+        await self.store.heartbeat(self.name)  # hold a lease before taking any work
         self._tasks = [
             asyncio.create_task(self._take_loop(), name="worker-take"),
             asyncio.create_task(self._write_loop(), name="worker-write"),
+            asyncio.create_task(self._lease_loop(), name="worker-lease"),
         ]
 
     async def stop(self) -> None:
@@ -89,18 +91,37 @@ class Worker:
                 for entry_id, req_key in entries:
                     item = await self.store.start(self.name, entry_id, req_key)
                     if item is not None:
-                        self._run(item)
+                        resume: tuple[list[int], str] = ([], "")
+                        if item.completion_tokens:
+                            # Re-queued after its worker died: continue after the tokens already logged.
+                            resume = await self.store.logged_tokens(item.log_key)
+                        self._run(item, *resume)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("worker.take_failed")
                 await asyncio.sleep(0.5)
 
-    def _run(self, item: WorkItem) -> None:
+    async def _lease_loop(self) -> None:
+        """Renew this worker's lease and re-queue the requests of workers whose leases lapsed."""
+        period = self.store.settings.lease_ttl_ms / 3000
+        while True:
+            await asyncio.sleep(period)
+            try:
+                for dead in await self.store.heartbeat(self.name):
+                    n = await self.store.reap(dead)
+                    if n >= 0:
+                        log.warning("worker.reaped", dead_worker=dead, requeued=n, worker=self.name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("worker.heartbeat_failed", error=str(exc))
+
+    def _run(self, item: WorkItem, resume: list[int], resumed_text: str) -> None:
         p = item.payload
         key = item.req_key
         self._items[key] = item
-        self._replies[key] = []
+        self._replies[key] = [resumed_text]
         if len(self._items) >= self.max_running:
             self._room.clear()
         self.engine.submit(
@@ -108,9 +129,17 @@ class Worker:
                 key=key,
                 messages=p["messages"],
                 params=params_from_payload(p.get("params") or {}),
+                resume_ids=resume,
             )
         )
-        log.info("request.started", request_id=p["id"], session=p.get("session"), worker=self.name)
+        log.info(
+            "request.started",
+            request_id=p["id"],
+            session=p.get("session"),
+            user=p.get("owner"),
+            worker=self.name,
+            resumed_at=len(resume) or None,
+        )
 
     async def _write(self, ops: list[StepOp]) -> list[bool]:
         """Write a step, retrying through a store outage: dropping it would leave a gap in the logs.
@@ -146,6 +175,7 @@ class Worker:
                         n=o.n,
                         text=o.text,
                         prompt_tokens=o.prompt_tokens,
+                        token_ids=o.token_ids,
                         finish=o.finish,
                         reply_text="".join(reply) if o.finish else "",
                         error_code=o.error_code,

@@ -1,13 +1,27 @@
 -- Append one delta to a running request's token log, fenced by the worker id and the offset.
--- KEYS[1] request hash, KEYS[2] token log stream
--- ARGV: 1 worker id, 2 offset, 3 n tokens, 4 text, 5 prompt tokens (recorded for usage on cancel)
+-- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] the worker's set of running requests
+-- ARGV: 1 worker id, 2 offset, 3 n tokens, 4 text, 5 prompt tokens, 6 token ids (comma-separated),
+--       7 retention_ms
 -- The stream entry id is "<offset>-1", so XRANGE/XREAD from "<offset>-0" start exactly at that offset and a
--- second write of the same offset is impossible.
--- Returns 1 on success, 0 when the request is no longer running for this worker (cancelled, taken over):
--- the worker must stop generating it; -1 when the offset is not the log's end (a bug in the caller).
+-- second write of the same offset is impossible. Token ids are logged so that another worker can continue
+-- the request from the prompt plus these tokens (re-prefill) if this one dies.
+-- Returns 1 on success; 0 when the request is no longer running for this worker (cancelled, taken over)
+-- or has had nobody attached for detach_timeout (then it is cancelled here): the worker must stop
+-- generating it; -1 when the offset is not the log's end (a bug in the caller).
 local req = KEYS[1]
-local f = redis.call('HMGET', req, 'state', 'worker', 'completion_tokens')
+local f = redis.call('HMGET', req, 'state', 'worker', 'completion_tokens', 'attached_until')
 if f[1] ~= 'running' or f[2] ~= ARGV[1] then
+  return 0
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if tonumber(f[4] or '0') < now then
+  redis.call('HSET', req, 'state', 'cancelled', 'finish_reason', 'cancelled', 'updated_ms', now,
+    'finished_ms', now)
+  redis.call('XADD', KEYS[2], f[3] .. '-2', 'd', 'cancelled', 'o', f[3], 'pt', ARGV[5])
+  redis.call('PEXPIRE', req, ARGV[7])
+  redis.call('PEXPIRE', KEYS[2], ARGV[7])
+  redis.call('SREM', KEYS[3], req)
   return 0
 end
 local offset = tonumber(ARGV[2])
@@ -15,6 +29,6 @@ if tonumber(f[3]) ~= offset then
   return -1
 end
 local n = tonumber(ARGV[3])
-redis.call('XADD', KEYS[2], offset .. '-1', 'o', offset, 'n', n, 't', ARGV[4])
+redis.call('XADD', KEYS[2], offset .. '-1', 'o', offset, 'n', n, 't', ARGV[4], 'k', ARGV[6])
 redis.call('HSET', req, 'completion_tokens', offset + n, 'prompt_tokens', ARGV[5])
 return 1

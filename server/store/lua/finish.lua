@@ -1,32 +1,35 @@
 -- End a running request: running -> done | failed, write the log's end entry, extend retention, and on a
 -- normal end of a session turn append the user message and the reply to the session history.
--- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] session history list
--- ARGV: 1 worker id, 2 finish reason (stop|length|error), 3 prompt tokens, 4 reply text, 5 now_ms,
---       6 retention_ms, 7 error code ("" if none), 8 error message, 9 history max messages, 10 session ttl_ms
+-- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] session history list, KEYS[4] the worker's set
+-- ARGV: 1 worker id, 2 finish reason (stop|length|error), 3 prompt tokens, 4 reply text,
+--       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms
 -- Returns 1, or 0 when the request is not running for this worker (then nothing changes).
 local req = KEYS[1]
 local f = redis.call('HMGET', req, 'state', 'worker', 'completion_tokens', 'user_msg')
 if f[1] ~= 'running' or f[2] ~= ARGV[1] then
   return 0
 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local total = tonumber(f[3])
 local reason = ARGV[2]
 local state = 'done'
 if reason == 'error' then state = 'failed' end
 redis.call('HSET', req, 'state', state, 'finish_reason', reason, 'prompt_tokens', ARGV[3],
-  'updated_ms', ARGV[5], 'finished_ms', ARGV[5], 'error_code', ARGV[7])
+  'updated_ms', now, 'finished_ms', now, 'error_code', ARGV[6])
 local entry = {'d', reason, 'o', total, 'pt', ARGV[3]}
-if ARGV[7] ~= '' then
-  table.insert(entry, 'e'); table.insert(entry, ARGV[7])
-  table.insert(entry, 'm'); table.insert(entry, ARGV[8])
+if ARGV[6] ~= '' then
+  table.insert(entry, 'e'); table.insert(entry, ARGV[6])
+  table.insert(entry, 'm'); table.insert(entry, ARGV[7])
 end
 redis.call('XADD', KEYS[2], total .. '-2', unpack(entry))
-redis.call('PEXPIRE', req, ARGV[6])
-redis.call('PEXPIRE', KEYS[2], ARGV[6])
+redis.call('PEXPIRE', req, ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+redis.call('SREM', KEYS[4], req)
 if state == 'done' and f[4] and f[4] ~= '' then
   local reply = cjson.encode({role = 'assistant', content = ARGV[4]})
   redis.call('RPUSH', KEYS[3], f[4], reply)
-  redis.call('LTRIM', KEYS[3], -tonumber(ARGV[9]), -1)
-  redis.call('PEXPIRE', KEYS[3], ARGV[10])
+  redis.call('LTRIM', KEYS[3], -tonumber(ARGV[8]), -1)
+  redis.call('PEXPIRE', KEYS[3], ARGV[9])
 end
 return 1

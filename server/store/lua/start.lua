@@ -1,14 +1,32 @@
 -- A worker takes a queued request: queued -> running, recording which worker holds it.
--- KEYS[1] request hash, KEYS[2] queued-requests counter
--- ARGV: 1 worker id, 2 now_ms
+-- KEYS[1] request hash, KEYS[2] queued-requests counter, KEYS[3] token log, KEYS[4] this worker's set of
+--   running requests (what another worker re-queues if this one's lease lapses)
+-- ARGV: 1 worker id, 2 retention_ms
 -- Returns {payload, completion_tokens, epoch} or false when the request is gone or no longer queued
--- (cancelled while it waited): the worker then just acknowledges the queue entry.
+-- (cancelled while it waited, or nobody attached for detach_timeout: then it is cancelled here).
+-- A re-queued request whose log is gone cannot be continued: it restarts from token 0 under a new epoch,
+-- so a client holding the old epoch gets resume_failed instead of a silently different stream.
 local req = KEYS[1]
-local state = redis.call('HGET', req, 'state')
-if state ~= 'queued' then
+local f = redis.call('HMGET', req, 'state', 'attached_until', 'completion_tokens')
+if f[1] ~= 'queued' then
   return false
 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('DECR', KEYS[2])
-redis.call('HSET', req, 'state', 'running', 'worker', ARGV[1], 'started_ms', ARGV[2], 'updated_ms', ARGV[2])
-local f = redis.call('HMGET', req, 'payload', 'completion_tokens', 'epoch')
-return {f[1], tonumber(f[2]), tonumber(f[3])}
+if tonumber(f[2] or '0') < now then
+  redis.call('HSET', req, 'state', 'cancelled', 'finish_reason', 'cancelled', 'updated_ms', now,
+    'finished_ms', now)
+  redis.call('XADD', KEYS[3], f[3] .. '-2', 'd', 'cancelled', 'o', f[3], 'pt', 0)
+  redis.call('PEXPIRE', req, ARGV[2])
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+  return false
+end
+if tonumber(f[3]) > 0 and redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('HINCRBY', req, 'epoch', 1)
+  redis.call('HSET', req, 'completion_tokens', 0)
+end
+redis.call('HSET', req, 'state', 'running', 'worker', ARGV[1], 'started_ms', now, 'updated_ms', now)
+redis.call('SADD', KEYS[4], req)
+local r = redis.call('HMGET', req, 'payload', 'completion_tokens', 'epoch')
+return {r[1], tonumber(r[2]), tonumber(r[3])}

@@ -1,0 +1,27 @@
+-- Re-queue the requests of a worker whose lease lapsed: running -> queued, so a live worker continues
+-- each from its prompt plus the tokens already logged. The dead worker can no longer append (fenced by
+-- the worker id in append.lua). Atomic per dead worker: two reapers racing re-queue each request once.
+-- KEYS[1] workers lease zset (member = worker id, score = lease expiry ms), KEYS[2] the dead worker's
+--   set of running requests, KEYS[3] work queue stream, KEYS[4] queued-requests counter
+-- ARGV: 1 dead worker id
+-- Returns the number of requests re-queued, or -1 if the worker's lease is in fact live.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if expiry and tonumber(expiry) >= now then
+  return -1
+end
+local n = 0
+for _, req in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local f = redis.call('HMGET', req, 'state', 'worker')
+  if f[1] == 'running' and f[2] == ARGV[1] then
+    redis.call('HSET', req, 'state', 'queued', 'worker', '', 'updated_ms', now)
+    redis.call('HINCRBY', req, 'requeues', 1)
+    redis.call('INCR', KEYS[4])
+    redis.call('XADD', KEYS[3], '*', 'req', req)
+    n = n + 1
+  end
+end
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return n

@@ -53,6 +53,24 @@ def _chat(args: argparse.Namespace) -> int:
     )
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from server.engine.bench import PATHS, main
+
+    paths = args.paths.split(",") if args.paths else PATHS
+    main(
+        json_path=args.json,
+        turns=args.turns,
+        device=args.device,
+        random_weights=args.random_weights,
+        requests=args.requests,
+        seed=args.seed,
+        model=args.model,
+        dtype=args.dtype,
+        paths=paths,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tokenwire", description="WebSocket chat server for LLMs")
     p.add_argument("--version", action="version", version=f"tokenwire {__version__}")
@@ -81,6 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--temperature", type=float)
     c.add_argument("--max-tokens", type=int)
     c.set_defaults(func=_chat)
+
+    b = sub.add_parser("bench", help="engine throughput and latency against transformers baselines")
+    b.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    b.add_argument("--turns", type=int, default=0, help="also measure TTFT per turn of an N-turn session")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--random-weights", metavar="CONFIG", help="random Llama: 1b, 135m or a config.json")
+    b.add_argument("--requests", type=int, default=32)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
+    b.add_argument("--dtype", default="auto")
+    b.add_argument("--paths", help="comma-separated subset of ceiling,static,hf_cb,engine,engine_poisson")
+    b.set_defaults(func=_bench)
 
     args = p.parse_args(argv)
     rc: int = args.func(args)

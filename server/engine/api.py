@@ -28,6 +28,7 @@ class GenerationRequest:
 
     ``resume_ids`` are tokens already generated (and logged) by an earlier run of the same request: the
     engine re-reads them with the prompt and continues after them, emitting from offset len(resume_ids).
+    ``session`` (optional) lets an engine reuse the KV cache of the session's previous turn.
     """
 
     key: str
@@ -35,6 +36,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     prompt_ids: list[int] | None = None
     resume_ids: Sequence[int] = ()
+    session: str = ""  # the chat session: an engine with prefix reuse keeps its KV between turns
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,15 @@ class StepOutput:
 
 
 StepCallback = Callable[[list[StepOutput]], None]
+
+
+class EngineOverloaded(Exception):
+    """Raised by ``submit`` of an engine with a bounded waiting queue when that queue is full: the
+    request was not taken; refuse it with ``overloaded`` and ``retry_after_ms``."""
+
+    def __init__(self, retry_after_ms: int) -> None:
+        super().__init__(f"engine overloaded; retry after {retry_after_ms} ms")
+        self.retry_after_ms = retry_after_ms
 
 
 class Engine(Protocol):

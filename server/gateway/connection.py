@@ -230,12 +230,15 @@ class Connection:
         """Forward the log of request ``id`` from ``offset``: deltas, then done (or an error)."""
         key = self.gw.store.keys.log(self.owner, id)
         req_key = self.gw.store.keys.request(self.owner, id)
-        sub = await self.gw.reader.subscribe(key, offset)
+        me = asyncio.current_task()
+        sub = self.gw.reader.subscribe(key, offset)
         self.gw.attach(req_key)
         expected = offset
         try:
             while True:
                 entry = await sub.queue.get()
+                if self._attached.get(id) is not me:
+                    return  # superseded by a newer chat/resume of this id on this connection
                 batch = [entry]
                 while (
                     entry.finish is None

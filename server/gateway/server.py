@@ -15,6 +15,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
 from protocol import SUBPROTOCOLS, CloseCode, frames
+from server.aio import cancel_and_wait
 from server.gateway.connection import Connection, handle
 from server.store.logs import LogReader
 from server.store.requests import RequestStore
@@ -125,6 +126,5 @@ class Gateway:
                 return_exceptions=True,
             )
             await self._server.wait_closed()
-        if self._touch_task is not None:
-            self._touch_task.cancel()
+        await cancel_and_wait([self._touch_task])
         await self.reader.stop()

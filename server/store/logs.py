@@ -17,6 +17,8 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 
+from server.aio import cancel_and_wait
+
 log = structlog.get_logger(__name__)
 
 
@@ -78,25 +80,43 @@ class LogReader:
         self.count = count
         self._subs: dict[str, set[Subscription]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._waker: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
         self._wake_id = "$"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="log-reader")
+        self._waker = asyncio.create_task(self._wake_loop(), name="log-reader-wake")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait([self._task, self._waker])
         with contextlib.suppress(Exception):
             await self.r.delete(self.wake_key)
 
-    async def subscribe(self, key: str, offset: int) -> Subscription:
-        """Receive the log at ``key`` from token ``offset`` on (replay, then live) until unsubscribed."""
+    def subscribe(self, key: str, offset: int) -> Subscription:
+        """Receive the log at ``key`` from token ``offset`` on (replay, then live) until unsubscribed.
+
+        Synchronous on purpose: the subscription exists when this returns, whatever happens to the
+        caller; the blocking read is woken by a separate task.
+        """
         sub = Subscription(key, position(offset))
         self._subs.setdefault(key, set()).add(sub)
-        await self.r.xadd(self.wake_key, {"k": key}, maxlen=16, approximate=True)
+        self._wake.set()
         return sub
+
+    async def _wake_loop(self) -> None:
+        # One XADD wakes the blocking read for any number of subscriptions made since the last one.
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.r.xadd(self.wake_key, {"w": 1}, maxlen=16, approximate=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("log_reader.wake_failed", error=str(exc))
+                await asyncio.sleep(0.2)
+                self._wake.set()
 
     def unsubscribe(self, sub: Subscription) -> None:
         sub.closed = True

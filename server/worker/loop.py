@@ -8,12 +8,12 @@ this worker no longer holds (it was cancelled, or taken over).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 
 import structlog
 
+from server.aio import cancel_and_wait
 from server.engine.api import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -75,11 +75,7 @@ class Worker:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
     async def _take_loop(self) -> None:

@@ -124,8 +124,8 @@ async def test_log_reader_replays_then_follows(redis: aioredis.Redis, keys: Keys
     reader = LogReader(reader_r, keys.wake("test"), block_ms=1000)
     reader.start()
     try:
-        from_start = await reader.subscribe(item.log_key, 0)
-        from_one = await reader.subscribe(item.log_key, 1)
+        from_start = reader.subscribe(item.log_key, 0)
+        from_one = reader.subscribe(item.log_key, 1)
         got0 = [await asyncio.wait_for(from_start.queue.get(), 5) for _ in range(2)]
         got1 = [await asyncio.wait_for(from_one.queue.get(), 5)]
         assert [e.text for e in got0] == ["a", "b"] and [e.offset for e in got0] == [0, 1]

@@ -1,0 +1,566 @@
+"""``tokenwire bench``: the engine against transformers' own ways of serving the same workload (no sockets).
+
+Workload (DESIGN.md §6): ``--requests`` chat requests with varied prompts, each with its own output length
+drawn from 16-128, EOS ignored and greedy decoding, so every path does the same useful work. Useful
+tokens/s counts each request's own output length only (a padded row running past its length is waste).
+TTFT is measured from a request's arrival; inter-token latency (ITL) is the gap between a request's
+consecutive tokens as its client would see them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.engine.api import GenerationRequest, SamplingParams, StepOutput
+from server.engine.engine import BatchingEngine
+from server.engine.model import LoadedModel, load_model
+
+PATHS = ("ceiling", "static", "hf_cb", "engine", "engine_poisson")
+OUT_MIN, OUT_MAX = 16, 128
+STATIC_BATCH = 8
+POISSON_LOAD = 0.7
+
+TOPICS = [
+    "the history of the printing press",
+    "how vaccines train the immune system",
+    "why the sky is blue",
+    "the rules of chess for a beginner",
+    "how to bake sourdough bread",
+    "what a hash table is",
+    "the water cycle",
+    "how WebSockets differ from HTTP polling",
+    "the causes of the French Revolution",
+    "how solar panels make electricity",
+    "what photosynthesis does",
+    "how to learn a new language as an adult",
+    "the difference between weather and climate",
+    "how a compiler turns code into a program",
+    "the life cycle of a star",
+    "good habits for a healthy sleep",
+]
+DETAILS = [
+    "Keep it simple, I am new to this.",
+    "Please give a short example.",
+    "I have read a little about it before, but the details confuse me.",
+    "My friend told me a story about it and I want to check whether it is true.",
+    "Explain it as you would to a curious twelve-year-old, step by step, and mention one common mistake.",
+    "I am preparing a short talk for my colleagues next week and I need a clear outline with the key "
+    "points, a memorable example and a one-sentence summary at the end.",
+]
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    key: str
+    prompt_ids: list[int]
+    out_len: int
+
+
+@dataclass(slots=True)
+class PathResult:
+    tok_s: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    seconds: float | None = None
+    useful_tokens: int = 0
+    note: str = ""
+
+
+@dataclass(slots=True)
+class Timings:
+    """Arrival and token times (perf_counter seconds) per request."""
+
+    arrival: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, key: str, t: float, n: int = 1) -> None:
+        times = self.tokens.setdefault(key, [])
+        if times and n > 1:
+            # n tokens delivered together (held back by the detokenizer): spread the gap over them.
+            prev = times[-1]
+            times.extend(prev + (t - prev) * (i + 1) / n for i in range(n))
+        else:
+            times.extend([t] * n)
+
+    def result(self, useful: int, seconds: float, note: str = "") -> PathResult:
+        ttft = [ts[0] - self.arrival[k] for k, ts in self.tokens.items() if ts]
+        itl = [b - a for ts in self.tokens.values() for a, b in itertools.pairwise(ts)]
+        return PathResult(
+            tok_s=round(useful / seconds, 1) if seconds > 0 else None,
+            ttft_p50_ms=_pct(ttft, 50),
+            ttft_p99_ms=_pct(ttft, 99),
+            itl_p50_ms=_pct(itl, 50),
+            itl_p99_ms=_pct(itl, 99),
+            seconds=round(seconds, 2),
+            useful_tokens=useful,
+            note=note,
+        )
+
+
+def _pct(xs: Sequence[float], p: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return round((s[lo] + (s[hi] - s[lo]) * (k - lo)) * 1000, 1)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---- workload ------------------------------------------------------------------------------------
+
+
+def workload(loaded: LoadedModel, n: int, seed: int, *, random_ids: bool = False) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        content = f"Tell me about {TOPICS[i % len(TOPICS)]}. " + " ".join(
+            rng.sample(DETAILS, rng.randint(0, 3))
+        )
+        if random_ids:  # random weights have no tokenizer: random ids of chat-like lengths
+            ids = [rng.randrange(3, loaded.model.config.vocab_size) for _ in range(rng.randint(30, 150))]
+        else:
+            ids = loaded.encode_chat([{"role": "user", "content": content}])
+        reqs.append(BenchRequest(f"r{i}", ids, rng.randint(OUT_MIN, OUT_MAX)))
+    return reqs
+
+
+def _pad_id(loaded: LoadedModel) -> int:
+    pad = getattr(loaded.model.config, "pad_token_id", None)
+    return int(pad) if isinstance(pad, int) else 0
+
+
+def _left_pad(reqs: Sequence[BenchRequest], pad: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r.prompt_ids) for r in reqs)
+    ids = torch.full((len(reqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(reqs), width), dtype=torch.long)
+    for i, r in enumerate(reqs):
+        ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        mask[i, width - len(r.prompt_ids) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+# ---- (a) the ceiling: one plain decode loop over all requests ------------------------------------
+
+
+@torch.inference_mode()
+def run_ceiling(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResult:
+    from transformers import DynamicCache
+
+    model, dev = loaded.model, loaded.device
+    tm = Timings()
+    ids, mask = _left_pad(reqs, _pad_id(loaded), dev)
+    steps = max(r.out_len for r in reqs)
+    t0 = time.perf_counter()
+    for r in reqs:
+        tm.arrival[r.key] = t0
+    cache = DynamicCache(config=model.config)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
+    )
+    for step in range(steps):
+        nxt = out.logits[:, -1].argmax(-1)
+        _sync(dev)
+        now = time.perf_counter()
+        for r in reqs:
+            if step < r.out_len:
+                tm.add(r.key, now)
+        if step == steps - 1:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        pos = pos[:, -1:] + 1
+        out = model(
+            input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, cache=out.cache, use_cache=True
+        )
+    seconds = time.perf_counter() - t0
+    return tm.result(sum(r.out_len for r in reqs), seconds)
+
+
+# ---- (b) model.generate on static padded batches --------------------------------------------------
+
+
+class _StepTimes:
+    """A generate() streamer that only records when each step's tokens come out."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True  # the first call carries the prompt
+            return
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def run_static(loaded: LoadedModel, reqs: Sequence[BenchRequest], batch: int = STATIC_BATCH) -> PathResult:
+    from transformers import GenerationConfig
+
+    model, dev = loaded.model, loaded.device
+    tm = Timings()
+    t0 = time.perf_counter()
+    for r in reqs:
+        tm.arrival[r.key] = t0
+    for lo in range(0, len(reqs), batch):
+        group = reqs[lo : lo + batch]
+        ids, mask = _left_pad(group, _pad_id(loaded), dev)
+        n = max(r.out_len for r in group)
+        # min_new_tokens = max_new_tokens: EOS cannot end a row early, as in the other paths.
+        cfg = GenerationConfig(  # type: ignore[no-untyped-call]
+            do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=_pad_id(loaded)
+        )
+        streamer = _StepTimes(dev)
+        model.generate(ids, attention_mask=mask, generation_config=cfg, streamer=streamer)
+        for r in group:
+            for t in streamer.times[: r.out_len]:
+                tm.add(r.key, t)
+    return tm.result(sum(r.out_len for r in reqs), time.perf_counter() - t0)
+
+
+# ---- (c) transformers' continuous batching --------------------------------------------------------
+
+
+@torch.inference_mode()
+def run_hf_cb(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResult:
+    from transformers import GenerationConfig
+
+    model = loaded.model
+    cfg = GenerationConfig(  # type: ignore[no-untyped-call]
+        do_sample=False, max_new_tokens=OUT_MAX, eos_token_id=-1, pad_token_id=_pad_id(loaded)
+    )
+    manager = model.init_continuous_batching(generation_config=cfg)
+    manager.start()
+    try:
+        # Warm-up request: the manager sizes and allocates its paged cache on the first one.
+        manager.add_request(reqs[0].prompt_ids[:8], request_id="warmup", max_new_tokens=2, eos_token_id=-1)
+        _collect(manager, {"warmup"})
+        tm = Timings()
+        t0 = time.perf_counter()
+        for r in reqs:
+            tm.arrival[r.key] = time.perf_counter()
+            manager.add_request(
+                r.prompt_ids,
+                request_id=r.key,
+                max_new_tokens=r.out_len,
+                record_timestamps=True,
+                eos_token_id=-1,
+            )
+        done = _collect(manager, {r.key for r in reqs})
+        seconds = max(max(o.timestamps or [0.0]) for o in done.values()) - t0
+        useful = 0
+        for key, o in done.items():
+            tm.tokens[key] = list(o.timestamps or [])
+            useful += len(o.generated_tokens)
+        note = "" if useful == sum(r.out_len for r in reqs) else "some requests produced fewer tokens"
+        return tm.result(useful, seconds, note)
+    finally:
+        manager.stop(block=True, timeout=10)
+
+
+def _collect(manager: Any, keys: set[str]) -> dict[str, Any]:
+    done: dict[str, Any] = {}
+    deadline = time.monotonic() + 1800
+    while len(done) < len(keys):
+        if time.monotonic() > deadline or not manager.is_running():
+            raise RuntimeError(f"transformers continuous batching stopped with {len(keys) - len(done)} left")
+        out = manager.get_result(timeout=1)
+        if out is not None and out.is_finished():
+            if out.error:
+                raise RuntimeError(f"transformers continuous batching failed: {out.error}")
+            done[out.request_id] = out
+    return done
+
+
+# ---- (d, e) the tokenwire engine -----------------------------------------------------------------
+
+
+def run_engine(
+    loaded: LoadedModel,
+    reqs: Sequence[BenchRequest],
+    *,
+    arrivals: Sequence[float] | None = None,
+    engine_kw: dict[str, Any] | None = None,
+) -> PathResult:
+    """All requests at once (``arrivals`` None), or each at its offset in seconds from the start."""
+    engine = BatchingEngine(loaded, **(engine_kw or {}))
+    steps: queue.Queue[tuple[float, list[StepOutput]]] = queue.Queue()
+    engine.start(lambda outs: steps.put((time.perf_counter(), outs)))
+    try:
+        _engine_warmup(engine, steps, reqs[0])
+        tm = Timings()
+        t0 = time.perf_counter()
+        for i, r in enumerate(reqs):
+            if arrivals is not None:
+                time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            tm.arrival[r.key] = time.perf_counter()
+            engine.submit(_engine_request(r))
+        pending = {r.key for r in reqs}
+        useful = 0
+        end = t0
+        while pending:
+            t, outs = steps.get(timeout=600)
+            for o in outs:
+                if o.finish == "error":
+                    raise RuntimeError(f"engine error on {o.key}: {o.error_message}")
+                tm.add(o.key, t, o.n)
+                useful += o.n
+                if o.finish is not None:
+                    pending.discard(o.key)
+                    end = t
+        note = f"{engine.sched.preemptions} preemptions, {engine.steps} steps"
+        return tm.result(useful, end - t0, note)
+    finally:
+        engine.stop()
+
+
+def _engine_request(r: BenchRequest, *, session: str = "") -> GenerationRequest:
+    params = SamplingParams(max_tokens=r.out_len, temperature=0.0, ignore_eos=True)
+    return GenerationRequest(r.key, prompt_ids=list(r.prompt_ids), params=params, session=session)
+
+
+def _engine_warmup(
+    engine: BatchingEngine, steps: queue.Queue[tuple[float, list[StepOutput]]], r: BenchRequest
+) -> None:
+    engine.submit(_engine_request(BenchRequest("warmup", r.prompt_ids, 4)))
+    while True:
+        _, outs = steps.get(timeout=600)
+        if any(o.finish for o in outs):
+            return
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    rng = random.Random(seed + 1)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ---- multi-turn TTFT -------------------------------------------------------------------------------
+
+
+def run_turns(loaded: LoadedModel, turns: int, *, reuse: bool, reply_tokens: int = 48) -> list[float]:
+    """TTFT (ms) of each turn of one chat session, the engine otherwise idle."""
+    engine = BatchingEngine(loaded, prefix_reuse=reuse)
+    steps: queue.Queue[tuple[float, list[StepOutput]]] = queue.Queue()
+    engine.start(lambda outs: steps.put((time.perf_counter(), outs)))
+    messages: list[dict[str, str]] = []
+    ttfts: list[float] = []
+    try:
+        for turn in range(turns):
+            messages.append(
+                {
+                    "role": "user",
+                    "content": f"Turn {turn + 1}: tell me one fact about {TOPICS[turn % len(TOPICS)]}.",
+                }
+            )
+            key = f"turn{turn}"
+            params = SamplingParams(max_tokens=reply_tokens, temperature=0.0, ignore_eos=True)
+            t0 = time.perf_counter()
+            engine.submit(GenerationRequest(key, list(messages), params, session="bench-session"))
+            first: float | None = None
+            text = []
+            done = False
+            while not done:
+                t, outs = steps.get(timeout=600)
+                for o in outs:
+                    if o.key != key:
+                        continue
+                    if first is None and o.n > 0:
+                        first = t
+                    text.append(o.text)
+                    done = done or o.finish is not None
+            ttfts.append(round(((first or t) - t0) * 1000, 1))
+            messages.append({"role": "assistant", "content": "".join(text)})
+    finally:
+        engine.stop()
+    return ttfts
+
+
+# ---- models ----------------------------------------------------------------------------------------
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Llama 3.2 1B's shape (vocabulary cut to SmolLM2's so prompts stay cheap to build).
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+    "135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+class _IdTokenizer:
+    """Stands in for a tokenizer with random weights: token ids decode to short placeholder words."""
+
+    chat_template = None
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f" t{int(i)}" for i in ids)
+
+
+def random_model(spec: str, device: str, dtype: str) -> LoadedModel:
+    """A randomly initialised Llama from a preset name (``1b``, ``135m``) or a config.json path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = PRESETS.get(spec.lower())
+    if fields is None:
+        fields = json.loads(Path(spec).read_text())
+    config = LlamaConfig(**fields)
+    config.pad_token_id = 0
+    config.eos_token_id = 2
+    torch_dtype = (
+        getattr(torch, dtype)
+        if dtype != "auto"
+        else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    )
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model: Any = LlamaForCausalLM(config)
+        model = model.to(torch_dtype)
+    model.config._attn_implementation = "sdpa"
+    model.eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=_IdTokenizer(),
+        name=f"random-{spec}",
+        eos_ids=frozenset({2}),
+        device=device,
+        dtype=torch_dtype,
+        load_seconds=time.perf_counter() - t0,
+    )
+
+
+# ---- the command -----------------------------------------------------------------------------------
+
+
+def main(
+    *,
+    json_path: str | None = None,
+    turns: int = 0,
+    device: str | None = None,
+    random_weights: str | None = None,
+    requests: int = 32,
+    seed: int = 0,
+    model: str | None = None,
+    dtype: str = "auto",
+    paths: Sequence[str] = PATHS,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    from server.engine.model import pick_device
+
+    torch.set_grad_enabled(False)
+    dev = pick_device(device)
+    loaded = (
+        random_model(random_weights, dev, dtype)
+        if random_weights
+        else load_model(model, device=dev, dtype=dtype)
+    )
+    reqs = workload(loaded, requests, seed, random_ids=bool(random_weights))
+    echo(
+        f"tokenwire bench: {loaded.name} on {dev} ({str(loaded.dtype).removeprefix('torch.')}, "
+        f"{torch.get_num_threads()} threads); {len(reqs)} requests, prompts "
+        f"{min(len(r.prompt_ids) for r in reqs)}-{max(len(r.prompt_ids) for r in reqs)} tokens, "
+        f"outputs {OUT_MIN}-{OUT_MAX} ({sum(r.out_len for r in reqs)} useful tokens), greedy, EOS ignored"
+    )
+    results: dict[str, Any] = {}
+    runners: dict[str, Callable[[], PathResult]] = {
+        "ceiling": lambda: run_ceiling(loaded, reqs),
+        "static": lambda: run_static(loaded, reqs),
+        "hf_cb": lambda: run_hf_cb(loaded, reqs),
+        "engine": lambda: run_engine(loaded, reqs),
+    }
+    for name in PATHS:
+        if name not in paths:
+            continue
+        if name == "engine_poisson":
+            capacity = (results.get("engine") or {}).get("tok_s") or run_engine(loaded, reqs).tok_s or 1.0
+            mean_out = statistics.mean(r.out_len for r in reqs)
+            rate = POISSON_LOAD * capacity / mean_out
+            res = run_engine(loaded, reqs, arrivals=poisson_arrivals(len(reqs), rate, seed))
+            res.note = f"{rate:.2f} req/s ({POISSON_LOAD:.0%} of {capacity} tok/s); " + res.note
+        else:
+            try:
+                res = runners[name]()
+            except Exception as exc:  # a baseline that cannot run here is reported, not fatal
+                res = PathResult(note=f"failed: {type(exc).__name__}: {exc}"[:300])
+        results[name] = asdict(res)
+        echo(_row(name, res))
+    if turns:
+        reuse = run_turns(loaded, turns, reuse=True)
+        no_reuse = run_turns(loaded, turns, reuse=False)
+        results["turns"] = {"reuse": reuse, "no_reuse": no_reuse}
+        echo(f"TTFT per turn, prefix reuse (ms):    {reuse}")
+        echo(f"TTFT per turn, no prefix reuse (ms): {no_reuse}")
+    _ratios(results, echo)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
+        echo(f"wrote {json_path}")
+    return results
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _row(name: str, r: PathResult) -> str:
+    return (
+        f"{name:15s} {_fmt(r.tok_s):>8s} tok/s  TTFT p50 {_fmt(r.ttft_p50_ms):>8s}"
+        f" p99 {_fmt(r.ttft_p99_ms):>8s} ms  ITL p50 {_fmt(r.itl_p50_ms):>7s}"
+        f" p99 {_fmt(r.itl_p99_ms):>7s} ms  {r.note}"
+    )
+
+
+def _ratios(results: dict[str, Any], echo: Callable[[str], None]) -> None:
+    engine = (results.get("engine") or {}).get("tok_s")
+    if not engine:
+        return
+    for name in ("ceiling", "static", "hf_cb"):
+        base = (results.get(name) or {}).get("tok_s")
+        if base:
+            echo(f"engine / {name}: {engine / base:.2f}x")

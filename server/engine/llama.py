@@ -1,0 +1,325 @@
+"""A Llama-family forward pass over the engine's slot KV cache, gpt-fast style: small functions with
+tensor-shape comments, run on the Hugging Face model's own weight tensors (nothing is copied).
+
+One call runs every token of a step through the layers together: the decode rows of all running
+sequences (one token each) and the prefill chunks, packed into one flat batch of T tokens, so every
+linear layer is a single matmul. Only attention is per group: one SDPA call per slot pool over all of its
+decode rows (keys up to the longest live length among them, shorter rows masked), and one per prefill chunk.
+
+Shapes: T tokens in the step, D hidden size, H query heads, KV key/value heads, Hd head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+# Model types whose HF modules have exactly the Llama layout (q/k/v/o, gate/up/down, two RMSNorms,
+# rotary over the whole head) and nothing more (no sliding window, no q/k norms, no soft-capping).
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    n_layers: int
+    hidden: int  # D
+    n_heads: int  # H
+    n_kv_heads: int  # KV
+    head_dim: int  # Hd
+    vocab: int  # V
+    eps: float
+    max_positions: int
+
+    @property
+    def rep(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    attn_norm: Tensor  # [D]
+    wq: Tensor  # [H*Hd, D]
+    wk: Tensor  # [KV*Hd, D]
+    wv: Tensor  # [KV*Hd, D]
+    bq: Tensor | None  # [H*Hd]
+    bk: Tensor | None
+    bv: Tensor | None
+    wo: Tensor  # [D, H*Hd]
+    mlp_norm: Tensor  # [D]
+    w_gate: Tensor  # [I, D]
+    w_up: Tensor  # [I, D]
+    w_down: Tensor  # [D, I]
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    embed: Tensor  # [V, D]
+    layers: tuple[Layer, ...]
+    norm: Tensor  # [D]
+    lm_head: Tensor  # [V, D]
+    cos: Tensor  # [P, Hd] rotary table for every position (float32)
+    sin: Tensor  # [P, Hd]
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why this model cannot run on the Llama path (None when it can)."""
+    cfg = model.config
+    mtype = getattr(cfg, "model_type", "")
+    if mtype not in LLAMA_FAMILY:
+        return f"model type {mtype!r} is not Llama-family"
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", mtype == "mistral"):
+        return "sliding-window attention"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r}"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP bias"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(inner, "rotary_emb"):
+        return "module layout differs from LlamaForCausalLM"
+    attn = layers[0].self_attn
+    if hasattr(attn, "q_norm") or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "attention layout differs from Llama"
+    return None
+
+
+def shape_of(model: Any) -> Shape:
+    cfg = model.config
+    n_heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
+    return Shape(
+        n_layers=int(cfg.num_hidden_layers),
+        hidden=int(cfg.hidden_size),
+        n_heads=n_heads,
+        n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or n_heads),
+        head_dim=head_dim,
+        vocab=int(cfg.vocab_size),
+        eps=float(cfg.rms_norm_eps),
+        max_positions=int(getattr(cfg, "max_position_embeddings", 2048)),
+    )
+
+
+def _bias(linear: Any) -> Tensor | None:
+    b = getattr(linear, "bias", None)
+    return None if b is None else b.detach()
+
+
+def weights_of(model: Any, max_positions: int) -> Weights:
+    """The model's weights as plain tensors, plus rotary tables for positions [0, max_positions)."""
+    inner = model.model
+    layers = []
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append(
+            Layer(
+                attn_norm=layer.input_layernorm.weight.detach(),
+                wq=a.q_proj.weight.detach(),
+                wk=a.k_proj.weight.detach(),
+                wv=a.v_proj.weight.detach(),
+                bq=_bias(a.q_proj),
+                bk=_bias(a.k_proj),
+                bv=_bias(a.v_proj),
+                wo=a.o_proj.weight.detach(),
+                mlp_norm=layer.post_attention_layernorm.weight.detach(),
+                w_gate=m.gate_proj.weight.detach(),
+                w_up=m.up_proj.weight.detach(),
+                w_down=m.down_proj.weight.detach(),
+            )
+        )
+    embed = inner.embed_tokens.weight.detach()
+    # The model's own rotary module computes the tables, so rope scaling variants (llama3, linear, ...)
+    # come out exactly as transformers computes them.
+    positions = torch.arange(max_positions, device=embed.device)[None, :]  # [1, P]
+    probe = torch.zeros(1, dtype=torch.float32, device=embed.device)
+    cos, sin = inner.rotary_emb(probe, positions)  # [1, P, Hd] each
+    return Weights(
+        embed=embed,
+        layers=tuple(layers),
+        norm=inner.norm.weight.detach(),
+        lm_head=model.lm_head.weight.detach(),
+        cos=cos[0].float(),
+        sin=sin[0].float(),
+    )
+
+
+# ---- the step's layout ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows of one pool: tokens [tok_lo, tok_hi) of the step, one per sequence, attending over
+    the slot view [0, n_slots) of the pool. ``rows`` maps each token to its slot when the rows are not
+    exactly slots 0..n-1 (some slots in the range are mid-prefill, or idle)."""
+
+    pool: int
+    tok_lo: int
+    tok_hi: int
+    n_slots: int
+    length: int  # keys [0, length): the longest live length among the rows
+    mask: Tensor  # [n_slots, 1, 1, length] bool, True where a key is visible
+    rows: Tensor | None  # [tok_hi - tok_lo] slot index of each row, or None when rows == arange
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """Tokens [tok_lo, tok_hi) of one sequence at positions [start, start + n), in slot ``slot``."""
+
+    pool: int
+    slot: int
+    tok_lo: int
+    tok_hi: int
+    start: int
+
+
+@dataclass(slots=True)
+class StepLayout:
+    ids: Tensor  # [T] token ids
+    positions: Tensor  # [T] position of each token in its sequence
+    write_rows: Tensor  # [T*KV] row of the cache (viewed as [rows, Hd]) each new key/value goes to
+    decode: list[DecodeGroup]
+    prefill: list[PrefillChunk]
+    logits_at: Tensor  # [R] tokens whose next-token logits are wanted
+
+
+class Cache:
+    """K and V of every layer in one preallocated tensor, seen as slot pools.
+
+    ``data`` is [n_layers, 2, rows, Hd]; pool p occupies rows [base_p, base_p + S_p*KV*L_p) and is viewed
+    as [S_p, KV, L_p, Hd] (slot-major, so the running slots 0..n-1 of a pool are one strided view)."""
+
+    def __init__(
+        self, shape: Shape, pools: list[tuple[int, int]], *, dtype: torch.dtype, device: str | torch.device
+    ) -> None:
+        self.shape = shape
+        self.pools = pools
+        self.bases: list[int] = []
+        rows = 0
+        for n_slots, length in pools:
+            self.bases.append(rows)
+            rows += n_slots * shape.n_kv_heads * length
+        self.data = torch.zeros(shape.n_layers, 2, rows, shape.head_dim, dtype=dtype, device=device)
+
+    def pool_view(self, pool: int) -> Tensor:
+        """[n_layers, 2, S, KV, L, Hd] view of one pool."""
+        n_slots, length = self.pools[pool]
+        base = self.bases[pool]
+        kv = self.shape.n_kv_heads
+        part = self.data[:, :, base : base + n_slots * kv * length]
+        return part.view(self.shape.n_layers, 2, n_slots, kv, length, self.shape.head_dim)
+
+    def layer_pool(self, layer: int, pool: int) -> tuple[Tensor, Tensor]:
+        """K and V of one layer and pool: [S, KV, L, Hd] each."""
+        n_slots, length = self.pools[pool]
+        base = self.bases[pool]
+        kv = self.shape.n_kv_heads
+        k = self.data[layer, 0, base : base + n_slots * kv * length]
+        v = self.data[layer, 1, base : base + n_slots * kv * length]
+        s = (n_slots, kv, length, self.shape.head_dim)
+        return k.view(s), v.view(s)
+
+    def rows_of(self, pool: int, slot: int, position: int) -> list[int]:
+        """Cache rows of one token's KV heads (for write_rows)."""
+        _, length = self.pools[pool]
+        first = self.bases[pool] + slot * self.shape.n_kv_heads * length + position
+        return [first + h * length for h in range(self.shape.n_kv_heads)]
+
+    def move(self, src: tuple[int, int], dst: tuple[int, int], n: int) -> None:
+        """Copy the first ``n`` positions of slot src=(pool, slot) to dst, in every layer."""
+        if n <= 0 or src == dst:
+            return
+        a = self.pool_view(src[0])[:, :, src[1], :, :n]
+        b = self.pool_view(dst[0])[:, :, dst[1], :, :n]
+        b.copy_(a)
+
+    def swap(self, x: tuple[int, int], y: tuple[int, int], n: int) -> None:
+        """Exchange the first ``n`` positions of two slots of the same pool, in every layer."""
+        if n <= 0 or x == y:
+            return
+        a = self.pool_view(x[0])[:, :, x[1], :, :n]
+        b = self.pool_view(y[0])[:, :, y[1], :, :n]
+        tmp = a.clone()
+        a.copy_(b)
+        b.copy_(tmp)
+
+
+# ---- the forward pass ----------------------------------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # [T, D] -> [T, D]; in float32 then back, as transformers' LlamaRMSNorm does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x [T, heads, Hd]; cos/sin [T, 1, Hd] -> [T, heads, Hd]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: Tensor, k_cache: list[tuple[Tensor, Tensor]], layout: StepLayout, shape: Shape) -> Tensor:
+    # q [T, H, Hd] (keys/values of this step already written to the cache) -> [T, H*Hd]
+    T = q.shape[0]
+    out = q.new_empty(T, shape.n_heads, shape.head_dim)
+    kv, rep, hd = shape.n_kv_heads, shape.rep, shape.head_dim
+    for g in layout.decode:
+        k, v = k_cache[g.pool]
+        qg = q[g.tok_lo : g.tok_hi].view(-1, kv, rep, hd)  # [n, KV, rep, Hd]: a KV head's queries share keys
+        if g.rows is not None:
+            full = q.new_zeros(g.n_slots, kv, rep, hd)
+            full.index_copy_(0, g.rows, qg)
+            qg = full
+        o = F.scaled_dot_product_attention(
+            qg, k[: g.n_slots, :, : g.length], v[: g.n_slots, :, : g.length], attn_mask=g.mask
+        )  # [n_slots, KV, rep, Hd]
+        if g.rows is not None:
+            o = o.index_select(0, g.rows)
+        out[g.tok_lo : g.tok_hi] = o.reshape(-1, shape.n_heads, hd)
+    for c in layout.prefill:
+        k, v = k_cache[c.pool]
+        n = c.tok_hi - c.tok_lo
+        end = c.start + n
+        qc = q[c.tok_lo : c.tok_hi].transpose(0, 1)[None]  # [1, H, n, Hd]
+        kc = k[c.slot : c.slot + 1, :, :end]  # [1, KV, end, Hd]
+        vc = v[c.slot : c.slot + 1, :, :end]
+        if c.start == 0:
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+        else:
+            # Query i sits at position start + i and sees keys [0, start + i].
+            keys = torch.arange(end, device=q.device)
+            mask = keys[None, :] <= (c.start + torch.arange(n, device=q.device))[:, None]  # [n, end]
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
+        out[c.tok_lo : c.tok_hi] = o[0].transpose(0, 1)  # [n, H, Hd]
+    return out.view(T, shape.n_heads * hd)
+
+
+def forward(w: Weights, shape: Shape, cache: Cache, layout: StepLayout) -> Tensor:
+    """Run one step's tokens through the model, writing their K/V into the cache; returns float32
+    logits [R, V] at ``layout.logits_at``."""
+    T = layout.ids.shape[0]
+    kv, hd = shape.n_kv_heads, shape.head_dim
+    cos = w.cos[layout.positions].to(w.embed.dtype)[:, None, :]  # [T, 1, Hd]
+    sin = w.sin[layout.positions].to(w.embed.dtype)[:, None, :]
+    x = F.embedding(layout.ids, w.embed)  # [T, D]
+    for i, L in enumerate(w.layers):
+        h = rms_norm(x, L.attn_norm, shape.eps)
+        q = F.linear(h, L.wq, L.bq).view(T, shape.n_heads, hd)  # [T, H, Hd]
+        k = F.linear(h, L.wk, L.bk).view(T, kv, hd)  # [T, KV, Hd]
+        v = F.linear(h, L.wv, L.bv).view(T, kv, hd)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        cache.data[i, 0].index_copy_(0, layout.write_rows, k.reshape(T * kv, hd))
+        cache.data[i, 1].index_copy_(0, layout.write_rows, v.reshape(T * kv, hd))
+        views = [cache.layer_pool(i, p) for p in range(len(cache.pools))]
+        x = x + F.linear(attention(q, views, layout, shape), L.wo)  # [T, D]
+        h = rms_norm(x, L.mlp_norm, shape.eps)
+        x = x + F.linear(F.silu(F.linear(h, L.w_gate)) * F.linear(h, L.w_up), L.w_down)
+    last = rms_norm(x.index_select(0, layout.logits_at), w.norm, shape.eps)  # [R, D]
+    return F.linear(last, w.lm_head).float()  # [R, V]

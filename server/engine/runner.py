@@ -1,0 +1,145 @@
+"""The torch side of a step: apply the scheduler's KV copies, lay the step's tokens out for one batched
+forward pass over the slot cache, and sample one token per sequence that reached the end of its tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from server.engine import llama
+from server.engine.kv_cache import Move, Op, Swap
+from server.engine.sampling import sample
+from server.engine.scheduler import Batch, Work
+
+CPU_THREADS_ENV = "TOKENWIRE_THREADS"
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerStats:
+    kv_bytes: int
+    bytes_per_token: int
+    pools: tuple[tuple[int, int], ...]
+
+
+def kv_bytes_per_token(model: Any, dtype: torch.dtype) -> int:
+    s = llama.shape_of(model)
+    return s.n_layers * 2 * s.n_kv_heads * s.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class Runner:
+    """Owns the model weights (shared with the HF model, not copied) and the preallocated KV cache."""
+
+    def __init__(
+        self, model: Any, pools: Sequence[tuple[int, int]], *, device: str | torch.device, dtype: torch.dtype
+    ) -> None:
+        reason = llama.unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the batching runner needs a Llama-family model: {reason}")
+        self.device = torch.device(device)
+        self.shape = llama.shape_of(model)
+        max_len = max(length for _, length in pools)
+        self.weights = llama.weights_of(model, max(max_len, 1))
+        self.cache = llama.Cache(self.shape, list(pools), dtype=dtype, device=self.device)
+        self.stats = RunnerStats(
+            kv_bytes=self.cache.data.numel() * self.cache.data.element_size(),
+            bytes_per_token=kv_bytes_per_token(model, dtype),
+            pools=tuple(pools),
+        )
+
+    def apply(self, ops: Sequence[Op]) -> None:
+        for op in ops:
+            if isinstance(op, Move):
+                self.cache.move(op.src, op.dst, op.length)
+            elif isinstance(op, Swap):
+                self.cache.swap(op.a, op.b, op.length)
+
+    @torch.inference_mode()
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """Apply ``batch.ops``, run its work; float32 logits [R, V] for ``batch.sampled`` in order."""
+        self.apply(batch.ops)
+        if not batch.work:
+            return torch.empty(0, self.shape.vocab)
+        layout = self.layout(batch.work)
+        return llama.forward(self.weights, self.shape, self.cache, layout)
+
+    def step(self, batch: Batch) -> list[int]:
+        """One step: the sampled token of every ``batch.sampled`` sequence, in order."""
+        logits = self.logits(batch)
+        sampled = batch.sampled
+        if not sampled:
+            return []
+        params = [w.seq.params for w in sampled]
+        offsets = [w.seq.completion_len for w in sampled]  # completion index of the token being drawn
+        return sample(logits.cpu(), params, offsets)
+
+    def layout(self, work: Sequence[Work]) -> llama.StepLayout:
+        """Token order: decode rows pool by pool in slot order, then prefill chunks."""
+        dev = self.device
+        decode = sorted((w for w in work if w.n == 1), key=lambda w: _slot(w))
+        chunks = [w for w in work if w.n > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        last_token: dict[int, int] = {}  # id(work) -> index of its last token
+        groups: list[llama.DecodeGroup] = []
+        i = 0
+        while i < len(decode):
+            pool = _slot(decode[i])[0]
+            j = i
+            while j < len(decode) and _slot(decode[j])[0] == pool:
+                j += 1
+            members = decode[i:j]
+            slots = [_slot(w)[1] for w in members]
+            n_slots = slots[-1] + 1
+            lens = [1] * n_slots  # idle slots in the range see one key: no fully masked rows
+            for w, s in zip(members, slots, strict=True):
+                lens[s] = w.start + 1
+            length = max(lens)
+            mask = torch.arange(length)[None, :] < torch.tensor(lens)[:, None]  # [n_slots, length]
+            dense = slots == list(range(n_slots))
+            groups.append(
+                llama.DecodeGroup(
+                    pool=pool,
+                    tok_lo=i,
+                    tok_hi=j,
+                    n_slots=n_slots,
+                    length=length,
+                    mask=mask[:, None, None, :].to(dev),
+                    rows=None if dense else torch.tensor(slots, device=dev),
+                )
+            )
+            i = j
+        prefill: list[llama.PrefillChunk] = []
+        for w in decode:
+            pool, slot = _slot(w)
+            last_token[id(w)] = len(ids)
+            ids.append(w.seq.tokens[w.start])
+            positions.append(w.start)
+            rows.extend(self.cache.rows_of(pool, slot, w.start))
+        for w in chunks:
+            pool, slot = _slot(w)
+            lo = len(ids)
+            ids.extend(w.ids)
+            positions.extend(range(w.start, w.start + w.n))
+            for pos in range(w.start, w.start + w.n):
+                rows.extend(self.cache.rows_of(pool, slot, pos))
+            prefill.append(llama.PrefillChunk(pool, slot, lo, lo + w.n, w.start))
+            last_token[id(w)] = lo + w.n - 1
+        logits_at = [last_token[id(w)] for w in work if w.sample]
+        return llama.StepLayout(
+            ids=torch.tensor(ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            write_rows=torch.tensor(rows, device=dev),
+            decode=groups,
+            prefill=prefill,
+            logits_at=torch.tensor(logits_at, dtype=torch.long, device=dev),
+        )
+
+
+def _slot(w: Work) -> tuple[int, int]:
+    assert w.seq.slot is not None
+    return w.seq.slot

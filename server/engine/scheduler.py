@@ -1,0 +1,376 @@
+"""Iteration-level scheduling: which sequences feed which tokens in the next step (pure Python, no torch).
+
+Every step, running sequences feed their next token (decode) or their next prompt chunk (prefill), and
+waiting sequences are admitted in arrival order while a slot and the step's prefill budget allow.
+``schedule`` returns the step's work, the runner computes it, ``postprocess`` takes the sampled tokens
+and turns them into outputs: the engine loop is those three calls.
+
+A sequence is its token list (prompt, then completion) and ``kv_len``, how many of them have their KV in
+the cache; it feeds ``tokens[kv_len:]`` — one token when decoding, a chunk when prefilling — and samples
+when it reaches the end. Preemption and resume-after-failover are the same thing: KV dropped, kv_len 0,
+the tokens fed again (recompute), and sampling carries on at the same completion offset, with the same
+per-(seed, offset) randomness.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from server.engine.api import SamplingParams, StepOutput
+from server.engine.detok import Detokenizer, Emission
+from server.engine.kv_cache import CachedPrefix, Op, SlotRef, SlotTable
+
+
+class State(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; come back after ``retry_after_ms``."""
+
+    def __init__(self, retry_after_ms: int) -> None:
+        super().__init__(f"waiting queue full; retry after {retry_after_ms} ms")
+        self.retry_after_ms = retry_after_ms
+
+
+@dataclass(eq=False, slots=True)
+class Seq:
+    key: str
+    tokens: list[int]  # prompt, then every completion token (resumed ones first)
+    n_prompt: int
+    params: SamplingParams
+    detok: Detokenizer
+    arrival: int  # admission order: lower goes first
+    session: str = ""
+    offset: int = 0  # completion tokens already emitted (resumed ones included)
+    state: State = State.WAITING
+    slot: SlotRef | None = None
+    kv_len: int = 0  # tokens[:kv_len] have their KV in the slot
+    admitted: bool = False  # admitted at least once (a preempted sequence is not new work)
+    preemptions: int = 0
+    reused: int = 0  # prompt tokens whose KV came from the session's cached prefix (last admission)
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+
+@dataclass(slots=True)
+class Work:
+    """One sequence's share of a step: feed tokens[start:start+n]; sample after the last one if
+    ``sample`` (the chunk reaches the end of the sequence's tokens)."""
+
+    seq: Seq
+    start: int
+    n: int
+    sample: bool
+
+    @property
+    def ids(self) -> list[int]:
+        return self.seq.tokens[self.start : self.start + self.n]
+
+
+@dataclass(slots=True)
+class Batch:
+    ops: list[Op]  # KV copies to apply, in order, before the forward pass
+    work: list[Work]  # decode rows and prefill chunks, the oldest sequence first
+    admitted: list[Seq] = field(default_factory=list)  # first admissions this step
+
+    @property
+    def sampled(self) -> list[Work]:
+        return [w for w in self.work if w.sample]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    pools: tuple[tuple[int, int], ...]  # KV slot pools: (slots, tokens per slot), by increasing length
+    max_running: int = 32
+    prefill_tokens: int = 256  # prompt tokens fed per step, all chunks together (bounds a step's time)
+    max_waiting: int = 256  # new requests waiting beyond this are refused (QueueFull)
+    eos_ids: frozenset[int] = frozenset()
+    prefix_reuse: bool = True
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        decode: Callable[[Sequence[int]], str],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.decode = decode
+        self.table = SlotTable(cfg.pools)
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []  # in arrival order
+        self.by_key: dict[str, Seq] = {}
+        self.clock = clock
+        self._arrivals = 0
+        self._admit_times: deque[float] = deque(maxlen=64)
+        self.preemptions = 0
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence (prompt plus completion) a slot holds."""
+        return self.table.max_len
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def new_waiting(self) -> int:
+        return sum(1 for s in self.waiting if not s.admitted)
+
+    # ---- requests in, requests out -----------------------------------------------------------------
+
+    def add(
+        self,
+        key: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        resume_ids: Sequence[int] = (),
+        session: str = "",
+    ) -> Seq:
+        """Queue a request (prompt already within budget). Raises QueueFull at the waiting bound."""
+        if self.new_waiting() >= self.cfg.max_waiting:
+            raise QueueFull(self.retry_after_ms())
+        detok = Detokenizer(self.decode, params.stop)
+        detok.prime(resume_ids)
+        seq = Seq(
+            key=key,
+            tokens=[*prompt_ids, *resume_ids],
+            n_prompt=len(prompt_ids),
+            params=params,
+            detok=detok,
+            arrival=self._arrivals,
+            session=session if self.cfg.prefix_reuse else "",
+            offset=len(resume_ids),
+        )
+        self._arrivals += 1
+        self.waiting.append(seq)
+        self.by_key[key] = seq
+        return seq
+
+    def cancel(self, key: str) -> Seq | None:
+        """Drop a request wherever it is; its slot is free for the next step. Returns it if it was known."""
+        seq = self.by_key.pop(key, None)
+        if seq is None:
+            return None
+        if seq.state is State.WAITING:
+            self.waiting.remove(seq)
+        elif seq.state is State.RUNNING:
+            self.running.remove(seq)
+            self.table.release(seq)
+        seq.state = State.DONE
+        return seq
+
+    def retry_after_ms(self) -> int:
+        """When a refused request might find room: the recent interval between admissions, since one
+        admission frees one waiting place."""
+        times = self._admit_times
+        if len(times) < 2 or times[-1] <= times[0]:
+            return 1000
+        interval = (times[-1] - times[0]) / (len(times) - 1)
+        return int(min(60_000, max(50, math.ceil(interval * 1000))))
+
+    # ---- the step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        """Choose this step's work: every running sequence's next token or chunk, then admissions."""
+        work: list[Work] = []
+        budget = self.cfg.prefill_tokens
+        for seq in list(self.running):
+            if seq.state is not State.RUNNING:
+                continue  # preempted by an older sequence earlier in this loop
+            remaining = len(seq.tokens) - seq.kv_len
+            n = 1 if remaining == 1 else min(remaining, budget)
+            if n == 0:
+                continue  # a long prefill waits for the next step's budget
+            if not self._room(seq, seq.kv_len + n):
+                continue  # it was preempted itself
+            if remaining > 1:
+                budget -= n
+            work.append(Work(seq, seq.kv_len, n, seq.kv_len + n == len(seq.tokens)))
+        admitted: list[Seq] = []
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self._insert_running(seq)
+            seq.state = State.RUNNING
+            if not seq.admitted:
+                seq.admitted = True
+                admitted.append(seq)
+                self._admit_times.append(self.clock())
+            remaining = len(seq.tokens) - seq.kv_len
+            n = min(remaining, budget)
+            budget -= n
+            work.append(Work(seq, seq.kv_len, n, seq.kv_len + n == len(seq.tokens)))
+        return Batch(self.table.take_ops(), work, admitted)
+
+    def postprocess(self, batch: Batch, tokens: Sequence[int]) -> list[StepOutput]:
+        """Take the tokens sampled for ``batch.sampled`` (in order); returns the step's outputs and
+        frees the slots of finished sequences."""
+        outs: list[StepOutput] = []
+        for w in batch.work:
+            # All first: a finishing sequence's slot is refilled by moving another one, whose fed
+            # tokens of this step must be part of the copy.
+            w.seq.kv_len = w.start + w.n
+        picks = iter(tokens)
+        for w in batch.sampled:
+            seq = w.seq
+            token = next(picks)
+            if seq.state is not State.RUNNING:
+                continue
+            seq.tokens.append(token)
+            out = self._emit(seq, token)
+            if out is None:
+                continue
+            outs.append(out)
+            if out.finish is not None:
+                self._finish(seq)
+        return outs
+
+    def finish_all(self) -> list[Seq]:
+        """Drop every request (after an engine failure); returns those that were running or waiting."""
+        seqs = [*self.running, *self.waiting]
+        for s in seqs:
+            self.cancel(s.key)
+        return seqs
+
+    # ---- internals ---------------------------------------------------------------------------------
+
+    def _emit(self, seq: Seq, token: int) -> StepOutput | None:
+        """The engine's output rules (as in SimpleEngine): EOS is a completion token with no text;
+        stop strings end the text before them; max_tokens counts resumed tokens."""
+        p = seq.params
+        total = seq.completion_len
+        start = seq.offset
+        finish: str | None = None
+        if token in self.cfg.eos_ids and not p.ignore_eos:
+            em = seq.detok.finish()
+            finish = "stop"
+            n = (em.n if em else 0) + 1
+            text = em.text if em else ""
+        else:
+            em = seq.detok.add(token)
+            if em is not None and em.stopped:
+                finish = "stop"
+            elif total >= p.max_tokens or len(seq.tokens) >= self.max_context:
+                em = _merge(em, seq.detok.finish())
+                finish = "length"
+            n = em.n if em else 0
+            text = em.text if em else ""
+        if n == 0 and finish is None:
+            return None
+        seq.offset += n
+        first = seq.n_prompt + start
+        return StepOutput(
+            seq.key,
+            start,
+            n,
+            text,
+            token_ids=tuple(seq.tokens[first : first + n]),
+            finish=finish,
+            prompt_tokens=seq.n_prompt,
+        )
+
+    def _finish(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self.by_key.pop(seq.key, None)
+        seq.state = State.DONE
+        keep = None
+        if seq.session and seq.kv_len > 0:
+            keep = CachedPrefix(seq.session, seq.tokens[: seq.kv_len])
+        self.table.release(seq, keep)
+
+    def _admit(self, seq: Seq) -> bool:
+        """Give the head of the queue a slot, reusing its session's cached prefix when it matches."""
+        first = self.table.pool_for(min(len(seq.tokens) + 1, self.max_context))
+        assert first is not None
+        pools = range(first, self.table.n_pools())
+        prefix = self.table.take_prefix(seq.session)
+        if prefix is not None and prefix.slot is not None:
+            shared = _common_prefix(prefix.ids, seq.tokens, len(seq.tokens) - 1)
+            if shared > 0:
+                own = prefix.slot[0]
+                target = own if own >= first else next((t for t in pools if self.table.can_acquire(t)), None)
+                if target is None:
+                    self.table.remember(prefix)  # no room yet: keep it for when there is
+                    return False
+                prefix.kv_len = min(prefix.kv_len, shared)  # only the shared part is valid here
+                self.table.adopt(prefix, seq, target)
+                seq.kv_len = seq.reused = prefix.kv_len
+                return True
+            self.table.drop_prefix(prefix)
+        if not any(self.table.acquire(t, seq) for t in pools):
+            return False
+        seq.kv_len = seq.reused = 0
+        return True
+
+    def _room(self, seq: Seq, need: int) -> bool:
+        """Make the slot of running ``seq`` hold ``need`` positions: move it to a larger pool, preempting
+        newer sequences there if none is free. False if ``seq`` itself had to be preempted."""
+        assert seq.slot is not None
+        if need <= self.table.slot_len(seq.slot[0]):
+            return True
+        first = self.table.pool_for(need)
+        assert first is not None  # sequences end ("length") before they outgrow the largest slot
+        while not any(self.table.promote(seq, t) for t in range(first, self.table.n_pools())):
+            victims = [
+                s
+                for s in self.running
+                if s is not seq and s.slot is not None and s.slot[0] >= first and s.arrival > seq.arrival
+            ]
+            if not victims:
+                self._preempt(seq)
+                return False
+            self._preempt(max(victims, key=lambda s: s.arrival))
+        return True
+
+    def _preempt(self, seq: Seq) -> None:
+        """Free ``seq``'s KV and queue it again ahead of every newer request: it will feed its tokens
+        again (recompute) and carry on from the same offset."""
+        self.running.remove(seq)
+        self.table.release(seq)
+        seq.kv_len = 0
+        seq.state = State.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
+            i += 1
+        self.waiting.insert(i, seq)
+
+    def _insert_running(self, seq: Seq) -> None:
+        # Arrival order, so older sequences are served (and kept) first; a re-admitted preempted one
+        # goes back among the old.
+        i = len(self.running)
+        while i > 0 and self.running[i - 1].arrival > seq.arrival:
+            i -= 1
+        self.running.insert(i, seq)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
+    n = min(len(a), len(b), cap)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _merge(a: Emission | None, b: Emission | None) -> Emission | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return Emission(a.n + b.n, a.text + b.text, a.stopped or b.stopped)

@@ -1,0 +1,104 @@
+"""Worker leases, re-queue with fencing, the detach timeout and epochs, against a real Redis/Valkey."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from server.store.keys import Keys
+from server.store.requests import RequestStore, Settings, StepOp, WorkItem
+
+PAYLOAD = {
+    "owner": "u",
+    "id": "r",
+    "session": "",
+    "messages": [{"role": "user", "content": "hi"}],
+    "params": {},
+}
+
+
+async def _take_start(store: RequestStore, worker: str) -> WorkItem | None:
+    [(entry_id, req_key)] = await store.take(worker, count=1, block_ms=200)
+    return await store.start(worker, entry_id, req_key)
+
+
+async def test_dead_worker_requests_are_requeued_fenced_and_continued(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    store = RequestStore(redis, keys, Settings(lease_ttl_ms=200))
+    await store.ensure_group()
+    assert await store.heartbeat("w1") == []
+    await store.submit("u", "r", "fp", PAYLOAD)
+    item = await _take_start(store, "w1")
+    assert item is not None and item.completion_tokens == 0
+    ops = [StepOp(item, 0, 1, "Hel", 4, token_ids=(11,)), StepOp(item, 1, 2, "lo", 4, token_ids=(12, 13))]
+    assert await store.write_step(ops, "w1") == [True, True]
+
+    # w2's heartbeat sees no dead worker while w1's lease is live, and reaping a live worker does nothing.
+    assert await store.heartbeat("w2") == []
+    assert await store.reap("w1") == -1
+    await asyncio.sleep(0.3)  # w1 stops heartbeating: its lease lapses
+    assert await store.heartbeat("w2") == ["w1"]
+    assert await store.reap("w1") == 1
+    assert await store.reap("w1") == 0  # a second reaper finds nothing left to re-queue
+    info = await store.get("u", "r")
+    assert info is not None and info.state == "queued" and info.epoch == 1
+
+    # The old worker is fenced out, even if it was only slow, not dead.
+    assert await store.write_step([StepOp(item, 3, 1, "!", 4, token_ids=(14,))], "w1") == [False]
+
+    again = await _take_start(store, "w2")
+    assert again is not None and again.completion_tokens == 3 and again.epoch == 1
+    assert await store.logged_tokens(again.log_key) == ([11, 12, 13], "Hello")
+    done = StepOp(again, 3, 1, "!", 4, token_ids=(14,), finish="stop", reply_text="Hello!")
+    assert await store.write_step([done], "w2") == [True]
+    entries = await redis.xrange(again.log_key)
+    assert [e[0] for e in entries] == [b"0-1", b"1-1", b"3-1", b"4-2"]
+
+
+async def test_requeued_request_whose_log_is_lost_restarts_under_a_new_epoch(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    store = RequestStore(redis, keys, Settings(lease_ttl_ms=100))
+    await store.ensure_group()
+    await store.heartbeat("w1")
+    await store.submit("u", "r", "fp", PAYLOAD)
+    item = await _take_start(store, "w1")
+    assert item is not None
+    await store.write_step([StepOp(item, 0, 2, "ab", 4, token_ids=(1, 2))], "w1")
+    await asyncio.sleep(0.2)
+    await store.heartbeat("w2")
+    assert await store.reap("w1") == 1
+    await redis.delete(item.log_key)  # e.g. a store restored from an older snapshot
+    again = await _take_start(store, "w2")
+    assert again is not None and (again.epoch, again.completion_tokens) == (2, 0)
+
+
+async def test_detach_timeout_cancels_running_and_queued(redis: aioredis.Redis, keys: Keys) -> None:
+    store = RequestStore(redis, keys, Settings(detach_timeout_ms=150))
+    await store.ensure_group()
+    await store.submit("u", "r", "fp", PAYLOAD)
+    item = await _take_start(store, "w1")
+    assert item is not None
+    # Touched (a client is attached): it keeps running past the timeout.
+    for _ in range(3):
+        await asyncio.sleep(0.08)
+        assert await store.touch([item.req_key]) == 1
+    assert await store.write_step([StepOp(item, 0, 1, "a", 1)], "w1") == [True]
+    await asyncio.sleep(0.2)  # nobody attached for longer than the timeout
+    assert await store.write_step([StepOp(item, 1, 1, "b", 1)], "w1") == [False]
+    info = await store.get("u", "r")
+    assert info is not None and (info.state, info.finish_reason) == ("cancelled", "cancelled")
+    last = (await redis.xrange(item.log_key))[-1]
+    assert last[0] == b"1-2" and last[1][b"d"] == b"cancelled"
+
+    # A queued request nobody waits for any more is cancelled when a worker would start it.
+    await store.submit("u", "q", "fp", {**PAYLOAD, "id": "q"})
+    await asyncio.sleep(0.2)
+    assert await _take_start(store, "w1") is None
+    info = await store.get("u", "q")
+    assert info is not None and info.state == "cancelled"
+    # touch never resurrects an expired or unknown request
+    assert await store.touch([keys.request("u", "gone")]) == 0
+    assert not await redis.exists(keys.request("u", "gone"))

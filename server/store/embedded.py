@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 import structlog
@@ -52,14 +53,14 @@ class EmbeddedValkey:
         except (OSError, ValueError):
             return
         if b"valkey" in cmdline:
-            log.warning("valkey.orphan_killed", pid=pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                for _ in range(50):
+            log.warning("valkey.orphan_stopped", pid=pid)
+            # SIGTERM first: Valkey then flushes its append-only file and exits cleanly.
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+                for _ in range(100):
                     if not Path(f"/proc/{pid}").exists():
-                        break
-                    import time
-
+                        return
                     time.sleep(0.05)
 
     def stop(self) -> None:

@@ -1,0 +1,89 @@
+"""Every invalid golden vector, sent over a real socket, gets its documented error; the connection stays
+usable and then completes a normal chat. Abuse closes the connection with the right code."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from protocol import Error, Hello, Ping, Pong
+from server.client import Client, collect
+from tests.gateway.conftest import Running
+
+VECTORS = json.loads(resources.files("protocol").joinpath("vectors", "frames.json").read_text())["invalid"]
+
+
+def _payload(v: dict[str, str]) -> bytes | str:
+    return bytes.fromhex(v["data_hex"]) if "data_hex" in v else v["data_text"]
+
+
+@pytest.mark.parametrize("subprotocol", ["tokenwire.v1.msgpack", "tokenwire.v1.json"])
+async def test_invalid_vectors_get_their_error_and_the_connection_still_chats(
+    server: Running, subprotocol: str
+) -> None:
+    c = await Client.connect(server.url, subprotocol=subprotocol)
+    cases = [v for v in VECTORS if v["subprotocol"] == subprotocol and v["expected_code"] == "bad_frame"]
+    assert len(cases) >= 20
+    for v in cases:
+        await c.send_raw(_payload(v), encode=False)
+        err = await c.recv()
+        assert isinstance(err, Error), v["name"]
+        assert err.code == v["expected_code"], (v["name"], err)
+        if v["expect_id"] is not None:
+            assert err.id == v["expect_id"], v["name"]
+        # A valid frame in between keeps the consecutive-bad-frame counter from closing the connection.
+        await c.send(Ping(ts=1))
+        assert await c.recv() == Pong(ts=1)
+    text, _, done, errors = await collect(c.chat("still here?"))
+    assert errors == [] and done is not None and text.startswith("re[1] still here?")
+    await c.close()
+
+
+async def test_unsupported_version_closes_1002(server: Running) -> None:
+    c = await Client.connect(server.url, hello=False)
+    await c.send(Hello(v=2))
+    err = await c.recv()
+    assert isinstance(err, Error) and err.code == "unsupported_version"
+    with pytest.raises(ConnectionClosed) as exc:
+        await c.recv()
+    assert exc.value.rcvd is not None and exc.value.rcvd.code == 1002
+
+
+async def test_sixteen_bad_frames_in_a_row_close_1008(server: Running) -> None:
+    c = await Client.connect(server.url)
+    for _ in range(16):
+        await c.send_raw(b"\xc1", encode=False)
+    codes = []
+    with pytest.raises(ConnectionClosed) as exc:
+        while True:
+            f = await c.recv()
+            assert isinstance(f, Error)
+            codes.append(f.code)
+    assert codes == ["bad_frame"] * 16
+    assert exc.value.rcvd is not None and exc.value.rcvd.code == 1008
+
+
+async def test_oversize_message_closes_1009(server: Running) -> None:
+    limit = server.gateway.settings.max_frame_bytes
+    async with connect(server.url, subprotocols=["tokenwire.v1.msgpack"]) as ws:  # type: ignore[list-item]
+        await ws.send(b"\x00" * (limit + 1))
+        with pytest.raises(ConnectionClosed) as exc:
+            await ws.recv()
+        assert exc.value.rcvd is not None and exc.value.rcvd.code == 1009
+
+
+async def test_chat_before_hello_is_refused_then_hello_works(server: Running) -> None:
+    c = await Client.connect(server.url, hello=False)
+    await c.send_raw({"type": "chat", "id": "early", "content": "hi"})
+    err = await c.recv()
+    assert isinstance(err, Error) and (err.code, err.id) == ("bad_frame", "early")
+    await c.send(Hello())
+    welcome = await c.recv()
+    assert welcome.type == "welcome"
+    _, _, done, _ = await collect(c.chat("now", id="late"))
+    assert done is not None
+    await c.close()

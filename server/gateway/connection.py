@@ -172,7 +172,13 @@ class Connection:
             "params": params,
         }
         res = await self.gw.store.submit(
-            self.owner, chat.id, fingerprint, payload, session=self.session, user_message=user_message
+            self.owner,
+            chat.id,
+            fingerprint,
+            payload,
+            session=self.session,
+            user_message=user_message,
+            prefer=await self.gw.router.prefer(self.session),
         )
         if res.outcome == "conflict":
             raise ProtocolError(

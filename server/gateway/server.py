@@ -17,6 +17,7 @@ from websockets.http11 import Request, Response
 from protocol import SUBPROTOCOLS, CloseCode, frames
 from server.aio import cancel_and_wait
 from server.gateway.connection import Connection, handle
+from server.gateway.routing import Router
 from server.store.logs import LogReader
 from server.store.requests import RequestStore
 from server.store.sessions import SessionStore
@@ -53,6 +54,7 @@ class Gateway:
         self.settings = settings
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.reader = LogReader(reader_redis, store.keys.wake(self.name))
+        self.router = Router(store)
         self.ready = ready
         self.connections: set[Connection] = set()
         self._attached: dict[str, int] = {}  # request key -> streams of this process attached to it

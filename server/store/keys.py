@@ -39,6 +39,15 @@ class Keys:
         """Zset of worker leases: member = worker id, score = lease expiry (ms, Redis clock)."""
         return f"{self.prefix}workers"
 
+    @property
+    def workers_load(self) -> str:
+        """Hash: worker id -> "running/capacity", for session-affinity routing."""
+        return f"{self.prefix}wload"
+
+    def worker_queue(self, worker: str) -> str:
+        """A worker's own queue: requests routed to it by session affinity."""
+        return f"{self.prefix}queue:w:{worker}"
+
     def worker_requests(self, worker: str) -> str:
         """Set of the request keys a worker is running (cancel.lua builds this name itself)."""
         return f"{self.prefix}wreqs:{worker}"

@@ -122,17 +122,25 @@ class RequestStore:
         *,
         session: str = "",
         user_message: dict[str, str] | None = None,
+        prefer: str = "",
     ) -> SubmitResult:
         """Create request ``(owner, id)`` and queue it, or report what exists under that id. Atomic.
 
         Same id and same fingerprint → ``attach`` (nothing is queued again: one generation per id).
         Same id, other fingerprint → ``conflict``. Queue full → ``overloaded`` and nothing is written.
-        ``user_message`` is appended to the session history when the request ends normally.
+        ``user_message`` is appended to the session history when the request ends normally. ``prefer``
+        names the worker to queue it for (session affinity), used only while that worker's lease is live.
         """
         k = self.keys
         st = self.settings
         res = await self._submit(
-            keys=[k.request(owner, id), k.queue, k.queued_count],
+            keys=[
+                k.request(owner, id),
+                k.queue,
+                k.queued_count,
+                k.worker_queue(prefer) if prefer else "",
+                k.workers,
+            ],
             args=[
                 owner,
                 id,
@@ -143,6 +151,7 @@ class RequestStore:
                 st.unfinished_ttl_ms,
                 st.max_queued,
                 st.detach_timeout_ms,
+                prefer,
             ],
         )
         outcome, epoch, state = _s(res[0]), int(res[1]), _s(res[2])
@@ -186,33 +195,47 @@ class RequestStore:
 
     # ---- worker side ---------------------------------------------------------------------------
 
-    async def ensure_group(self) -> None:
-        """Create the workers' consumer group on the queue (idempotent)."""
-        try:
-            await self.r.xgroup_create(self.keys.queue, self.GROUP, id="0", mkstream=True)
-        except aioredis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    async def ensure_group(self, worker: str | None = None) -> None:
+        """Create the consumer group on the shared queue and on ``worker``'s own queue (idempotent)."""
+        queues = [self.keys.queue] + ([self.keys.worker_queue(worker)] if worker else [])
+        for q in queues:
+            try:
+                await self.r.xgroup_create(q, self.GROUP, id="0", mkstream=True)
+            except aioredis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
-    async def take(self, worker: str, count: int, block_ms: int) -> list[tuple[str, str]]:
-        """Next queue entries for this worker: [(entry id, request key)]. Blocks up to ``block_ms``."""
-        res: Any = await self.r.xreadgroup(
-            self.GROUP, worker, {self.keys.queue: ">"}, count=count, block=block_ms
-        )
-        out: list[tuple[str, str]] = []
-        for _stream, entries in res or []:
+    async def take(self, worker: str, count: int, block_ms: int) -> list[tuple[str, str, str]]:
+        """Next entries for this worker from its own queue and the shared one, in one blocking read:
+        [(queue, entry id, request key)]. Blocks up to ``block_ms``."""
+        own = self.keys.worker_queue(worker)
+        streams: Any = {own: ">", self.keys.queue: ">"}
+        try:
+            res: Any = await self.r.xreadgroup(self.GROUP, worker, streams, count=count, block=block_ms)
+        except aioredis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # Our own queue does not exist (yet, or any more: a reaper drained and deleted it after our
+            # lease lapsed). Recreate it and read again.
+            await self.ensure_group(worker)
+            res = await self.r.xreadgroup(self.GROUP, worker, streams, count=count, block=block_ms)
+        out: list[tuple[str, str, str]] = []
+        for stream, entries in res or []:
             for entry_id, fields in entries:
-                out.append((_s(entry_id), _s(fields[b"req"])))
+                out.append((_s(stream), _s(entry_id), _s(fields[b"req"])))
         return out
 
-    async def start(self, worker: str, entry_id: str, req_key: str) -> WorkItem | None:
+    async def start(
+        self, worker: str, entry_id: str, req_key: str, queue: str | None = None
+    ) -> WorkItem | None:
         """queued → running for ``worker`` and acknowledge the queue entry, in one round trip.
 
         None if the request is no longer queued (cancelled while waiting, detached too long, expired).
         """
+        queue = queue or self.keys.queue
         owner, id = await self._owner_id(req_key)
         if owner is None:
-            await self.r.xack(self.keys.queue, self.GROUP, entry_id)
+            await self.r.xack(queue, self.GROUP, entry_id)
             return None
         log_key = self.keys.log(owner, id)
         pipe = self.r.pipeline(transaction=False)
@@ -221,7 +244,7 @@ class RequestStore:
             args=[worker, self.settings.retention_ms],
             client=pipe,
         )
-        pipe.xack(self.keys.queue, self.GROUP, entry_id)
+        pipe.xack(queue, self.GROUP, entry_id)
         res, _ = await pipe.execute()
         if not res:
             return None
@@ -308,16 +331,44 @@ class RequestStore:
             i += n
         return out
 
-    async def heartbeat(self, worker: str) -> list[str]:
-        """Renew this worker's lease; returns workers whose leases have lapsed."""
-        dead = await self._heartbeat(keys=[self.keys.workers], args=[worker, self.settings.lease_ttl_ms])
+    async def heartbeat(self, worker: str, running: int = 0, capacity: int = 0) -> list[str]:
+        """Renew this worker's lease and publish its load; returns workers whose leases have lapsed."""
+        dead = await self._heartbeat(
+            keys=[self.keys.workers, self.keys.workers_load],
+            args=[worker, self.settings.lease_ttl_ms, running, capacity],
+        )
         return [_s(d) for d in dead or []]
 
-    async def reap(self, dead_worker: str) -> int:
-        """Re-queue a lapsed worker's running requests (atomic); -1 if its lease turned out live."""
+    async def reap(self, dead_worker: str, *, own: bool = False) -> int:
+        """Re-queue a lapsed worker's running requests and move its affinity queue to the shared one,
+        atomically; -1 if its lease turned out live. ``own=True``: a draining worker hands back its own."""
         k = self.keys
         return int(
             await self._reap(
-                keys=[k.workers, k.worker_requests(dead_worker), k.queue, k.queued_count], args=[dead_worker]
+                keys=[
+                    k.workers,
+                    k.worker_requests(dead_worker),
+                    k.queue,
+                    k.queued_count,
+                    k.worker_queue(dead_worker),
+                    k.workers_load,
+                ],
+                args=[dead_worker, "self" if own else ""],
             )
         )
+
+    async def live_workers(self) -> dict[str, tuple[int, int]]:
+        """Workers with a live lease: id -> (running, capacity)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(self.keys.workers, 0, -1, withscores=True)
+        pipe.hgetall(self.keys.workers_load)
+        (sec, usec), members, loads = await pipe.execute()
+        now = int(sec) * 1000 + int(usec) // 1000
+        out: dict[str, tuple[int, int]] = {}
+        for member, expiry in members:
+            if expiry >= now:
+                w = _s(member)
+                running, _, capacity = _s(loads.get(member, b"0/0")).partition("/")
+                out[w] = (int(running or 0), int(capacity or 0))
+        return out

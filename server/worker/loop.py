@@ -8,6 +8,7 @@ this worker no longer holds (it was cancelled, or taken over).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 
@@ -57,17 +58,19 @@ class Worker:
         self._steps: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._room = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no request is running here
+        self._idle.set()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        await self.store.ensure_group()
+        await self.store.ensure_group(self.name)
 
         def on_step(outs: list[StepOutput]) -> None:  # called on the engine thread, once per step
             loop.call_soon_threadsafe(self._steps.put_nowait, outs)
 
         self.engine.start(on_step)
         self._room.set()
-        await self.store.heartbeat(self.name)  # hold a lease before taking any work
+        await self._heartbeat()  # hold a lease before taking any work
         self._tasks = [
             asyncio.create_task(self._take_loop(), name="worker-take"),
             asyncio.create_task(self._write_loop(), name="worker-write"),
@@ -78,14 +81,30 @@ class Worker:
         await cancel_and_wait(self._tasks)
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
+    async def drain(self, deadline_s: float) -> int:
+        """Graceful stop: take no new work, let running requests finish for up to ``deadline_s``, then hand
+        the rest back to the queue (another worker continues them after their logged tokens) and stop.
+        Returns how many requests were handed back."""
+        await cancel_and_wait(self._tasks[:1])  # the take loop
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), deadline_s)
+        handed = 0
+        if self._items:
+            handed = max(0, await self.store.reap(self.name, own=True))
+            log.warning("worker.handed_back", requests=handed, worker=self.name)
+        else:
+            await self.store.reap(self.name, own=True)  # give up the lease and the affinity queue now
+        await self.stop()
+        return handed
+
     async def _take_loop(self) -> None:
         while True:
             await self._room.wait()
             try:
                 room = self.max_running - len(self._items)
                 entries = await self.store.take(self.name, count=max(1, room), block_ms=1000)
-                for entry_id, req_key in entries:
-                    item = await self.store.start(self.name, entry_id, req_key)
+                for queue, entry_id, req_key in entries:
+                    item = await self.store.start(self.name, entry_id, req_key, queue)
                     if item is not None:
                         resume: tuple[list[int], str] = ([], "")
                         if item.completion_tokens:
@@ -98,13 +117,16 @@ class Worker:
                 log.exception("worker.take_failed")
                 await asyncio.sleep(0.5)
 
+    async def _heartbeat(self) -> list[str]:
+        return await self.store.heartbeat(self.name, len(self._items), self.max_running)
+
     async def _lease_loop(self) -> None:
         """Renew this worker's lease and re-queue the requests of workers whose leases lapsed."""
         period = self.store.settings.lease_ttl_ms / 3000
         while True:
             await asyncio.sleep(period)
             try:
-                for dead in await self.store.heartbeat(self.name):
+                for dead in await self._heartbeat():
                     n = await self.store.reap(dead)
                     if n >= 0:
                         log.warning("worker.reaped", dead_worker=dead, requeued=n, worker=self.name)
@@ -117,6 +139,7 @@ class Worker:
         p = item.payload
         key = item.req_key
         self._items[key] = item
+        self._idle.clear()
         self._replies[key] = [resumed_text]
         if len(self._items) >= self.max_running:
             self._room.clear()
@@ -195,3 +218,5 @@ class Worker:
                         )
             if len(self._items) < self.max_running:
                 self._room.set()
+            if not self._items:
+                self._idle.set()

@@ -19,8 +19,8 @@ PAYLOAD = {
 
 
 async def _take_start(store: RequestStore, worker: str) -> WorkItem | None:
-    [(entry_id, req_key)] = await store.take(worker, count=1, block_ms=200)
-    return await store.start(worker, entry_id, req_key)
+    [(queue, entry_id, req_key)] = await store.take(worker, count=1, block_ms=200)
+    return await store.start(worker, entry_id, req_key, queue)
 
 
 async def test_dead_worker_requests_are_requeued_fenced_and_continued(
@@ -102,3 +102,46 @@ async def test_detach_timeout_cancels_running_and_queued(redis: aioredis.Redis, 
     # touch never resurrects an expired or unknown request
     assert await store.touch([keys.request("u", "gone")]) == 0
     assert not await redis.exists(keys.request("u", "gone"))
+
+
+async def test_affinity_queue_and_its_reaping(redis: aioredis.Redis, keys: Keys) -> None:
+    store = RequestStore(redis, keys, Settings(lease_ttl_ms=300))
+    for w in ("w1", "w2"):
+        await store.ensure_group(w)
+        await store.heartbeat(w, running=1, capacity=8)
+    assert await store.live_workers() == {"w1": (1, 8), "w2": (1, 8)}
+    await store.submit("u", "a", "fp", {**PAYLOAD, "id": "a"}, prefer="w1")
+    assert await store.take("w2", count=5, block_ms=50) == []  # routed to w1's own queue
+    [(queue, _, _)] = await store.take("w1", count=5, block_ms=50)
+    assert queue == keys.worker_queue("w1")
+
+    # Routed to w1, then w1 dies before starting it (and before starting "a", which it had only read):
+    # reaping moves both to the shared queue, where w2 starts them.
+    await store.submit("u", "b", "fp", {**PAYLOAD, "id": "b"}, prefer="w1")
+    await asyncio.sleep(0.35)
+    await store.heartbeat("w2")
+    assert await store.live_workers() == {"w2": (0, 0)}
+    assert await store.reap("w1") == 0  # nothing was running
+    taken = await store.take("w2", count=5, block_ms=50)
+    assert [(q, k) for q, _, k in taken] == [(keys.queue, keys.request("u", x)) for x in ("a", "b")]
+    for queue, entry_id, req_key in taken:
+        assert await store.start("w2", entry_id, req_key, queue) is not None
+    # With w1's lease gone, a request preferring it goes to the shared queue, never to a dead queue.
+    await store.submit("u", "c", "fp", {**PAYLOAD, "id": "c"}, prefer="w1")
+    [(queue, _, _)] = await store.take("w2", count=5, block_ms=50)
+    assert queue == keys.queue
+    assert not await redis.exists(keys.worker_queue("w1"))
+
+
+async def test_draining_worker_hands_its_requests_back(redis: aioredis.Redis, keys: Keys) -> None:
+    store = RequestStore(redis, keys, Settings(lease_ttl_ms=10_000))
+    await store.ensure_group("w1")
+    await store.heartbeat("w1")
+    await store.submit("u", "r", "fp", PAYLOAD)
+    item = await _take_start(store, "w1")
+    assert item is not None
+    assert await store.reap("w1") == -1  # live lease: another worker may not take it
+    assert await store.reap("w1", own=True) == 1  # but the worker itself may hand it back
+    info = await store.get("u", "r")
+    assert info is not None and info.state == "queued"
+    assert await store.live_workers() == {}

@@ -26,8 +26,8 @@ async def _started(store: RequestStore, worker: str = "w1"):  # type: ignore[no-
         "u1", "r1", "fp1", PAYLOAD, session="s1", user_message={"role": "user", "content": "hi"}
     )
     assert res.outcome == "new"
-    [(entry_id, req_key)] = await store.take(worker, count=10, block_ms=100)
-    item = await store.start(worker, entry_id, req_key)
+    [(queue, entry_id, req_key)] = await store.take(worker, count=10, block_ms=100)
+    item = await store.start(worker, entry_id, req_key, queue)
     assert item is not None
     return item
 
@@ -103,8 +103,8 @@ async def test_cancel_queued_running_finished_unknown(redis: aioredis.Redis, key
 
     await store.submit("u1", "q", "fp", {**PAYLOAD, "id": "q"})
     assert await store.cancel("u1", "q") == "queued"
-    [(entry_id, req_key)] = await store.take("w1", count=10, block_ms=100)
-    assert await store.start("w1", entry_id, req_key) is None  # cancelled while waiting: never runs
+    [(queue, entry_id, req_key)] = await store.take("w1", count=10, block_ms=100)
+    assert await store.start("w1", entry_id, req_key, queue) is None  # cancelled while waiting: never runs
     assert int(await redis.get(keys.queued_count) or 0) == 0
 
 

@@ -3,7 +3,7 @@
 -- ARGV: 1 worker id, 2 offset, 3 n tokens, 4 text, 5 prompt tokens, 6 token ids (comma-separated),
 --       7 retention_ms
 -- The stream entry id is "<offset>-1", so XRANGE/XREAD from "<offset>-0" start exactly at that offset and a
--- second write of the same offset is impossible. Token ids are logged so that another worker can continue
+-- second write of the same offset is impossible. Token ids (and the writing worker) are logged so that another worker can continue
 -- the request from the prompt plus these tokens (re-prefill) if this one dies.
 -- Returns 1 on success; 0 when the request is no longer running for this worker (cancelled, taken over)
 -- or has had nobody attached for detach_timeout (then it is cancelled here): the worker must stop
@@ -29,6 +29,6 @@ if tonumber(f[3]) ~= offset then
   return -1
 end
 local n = tonumber(ARGV[3])
-redis.call('XADD', KEYS[2], offset .. '-1', 'o', offset, 'n', n, 't', ARGV[4], 'k', ARGV[6])
+redis.call('XADD', KEYS[2], offset .. '-1', 'o', offset, 'n', n, 't', ARGV[4], 'k', ARGV[6], 'w', ARGV[1])
 redis.call('HSET', req, 'completion_tokens', offset + n, 'prompt_tokens', ARGV[5])
 return 1

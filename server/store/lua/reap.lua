@@ -2,13 +2,15 @@
 -- each from its prompt plus the tokens already logged. The dead worker can no longer append (fenced by
 -- the worker id in append.lua). Atomic per dead worker: two reapers racing re-queue each request once.
 -- KEYS[1] workers lease zset (member = worker id, score = lease expiry ms), KEYS[2] the dead worker's
---   set of running requests, KEYS[3] work queue stream, KEYS[4] queued-requests counter
--- ARGV: 1 dead worker id
+--   set of running requests, KEYS[3] shared work queue stream, KEYS[4] queued-requests counter,
+--   KEYS[5] the dead worker's own queue (requests routed to it by session affinity, not yet started),
+--   KEYS[6] workers load hash
+-- ARGV: 1 dead worker id, 2 "self" when a draining worker hands its own requests back (lease ignored)
 -- Returns the number of requests re-queued, or -1 if the worker's lease is in fact live.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if expiry and tonumber(expiry) >= now then
+if ARGV[2] ~= 'self' and expiry and tonumber(expiry) >= now then
   return -1
 end
 local n = 0
@@ -22,6 +24,11 @@ for _, req in ipairs(redis.call('SMEMBERS', KEYS[2])) do
     n = n + 1
   end
 end
-redis.call('DEL', KEYS[2])
+-- Its affinity queue: whatever was routed to it and not started moves to the shared queue.
+for _, e in ipairs(redis.call('XRANGE', KEYS[5], '-', '+')) do
+  redis.call('XADD', KEYS[3], '*', 'req', e[2][2])
+end
+redis.call('DEL', KEYS[2], KEYS[5])
 redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
 return n

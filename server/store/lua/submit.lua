@@ -1,8 +1,9 @@
 -- Create a request, or attach to the one with the same id (idempotent retry), atomically.
--- KEYS[1] request hash, KEYS[2] work queue stream, KEYS[3] queued-requests counter
+-- KEYS[1] request hash, KEYS[2] shared work queue stream, KEYS[3] queued-requests counter,
+-- KEYS[4] the preferred worker's own queue (session affinity; "" for none), KEYS[5] workers lease zset
 -- ARGV: 1 owner, 2 id, 3 fingerprint, 4 payload (JSON), 5 session, 6 user message (JSON or ""),
 --       7 ttl_ms (a bound on how long an unfinished request may linger), 8 max_queued (0 = unbounded),
---       9 detach_timeout_ms
+--       9 detach_timeout_ms, 10 preferred worker id ("" for none)
 -- Returns {"attach", epoch, state} | {"conflict", 0, state} | {"overloaded", queued, ""} | {"new", 1, "queued"}
 local req = KEYS[1]
 local t = redis.call('TIME')
@@ -28,5 +29,14 @@ redis.call('HSET', req,
   'attached_until', now + tonumber(ARGV[9]))
 redis.call('PEXPIRE', req, ARGV[7])
 redis.call('INCR', KEYS[3])
-redis.call('XADD', KEYS[2], '*', 'req', req)
+-- The preferred worker's queue only while its lease is live: reap.lua removes the lease and drains that
+-- queue in one step, so nothing can be left behind in the queue of a dead worker.
+local queue = KEYS[2]
+if KEYS[4] ~= '' then
+  local expiry = redis.call('ZSCORE', KEYS[5], ARGV[10])
+  if expiry and tonumber(expiry) >= now then
+    queue = KEYS[4]
+  end
+end
+redis.call('XADD', queue, '*', 'req', req)
 return {'new', 1, 'queued'}

@@ -1,4 +1,6 @@
-"""``tokenwire serve``: gateway and worker in one process, over the same store code as a cluster."""
+"""The three ways to run: ``serve`` (gateway + worker in one process, embedded Valkey by default),
+``gateway`` (sockets, no model) and ``worker`` (model, no sockets). All use the same store code, so
+resume, retries and cancel take one code path everywhere."""
 
 from __future__ import annotations
 
@@ -6,8 +8,10 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -30,70 +34,138 @@ class ServeConfig:
     model: str | None = None
     device: str | None = None
     dtype: str = "auto"
+    threads: int | None = None  # torch CPU threads for the engine (None: torch's default)
     session_secret: str | None = None
     max_running: int = 64
+    drain_timeout_s: float = 10.0
+    name: str | None = None  # worker/gateway id (default host-pid)
 
 
-async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
-    """Run until ``stop`` is set (or SIGINT/SIGTERM)."""
-    from server.store.embedded import EmbeddedValkey
+@dataclass(slots=True)
+class StoreHandles:
+    r: aioredis.Redis
+    reader: aioredis.Redis  # its own client: the log reader's blocking XREAD holds a connection
+    store: RequestStore
+    url: str
 
-    stop = stop or asyncio.Event()
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
 
+
+@contextlib.asynccontextmanager
+async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[StoreHandles]:
+    """Connect to ``cfg.redis_url``, or start the embedded Valkey when allowed and none is given."""
+    from server.store.embedded import EmbeddedValkey
+
     valkey: EmbeddedValkey | None = None
     url = cfg.redis_url
     if url is None:
+        if not embedded_ok:
+            raise SystemExit("tokenwire: --redis-url is required here (gateways and workers share one Redis)")
         valkey = EmbeddedValkey(cfg.data_dir)
-        url = await loop.run_in_executor(None, valkey.start)
+        url = await asyncio.get_running_loop().run_in_executor(None, valkey.start)
     r = aioredis.from_url(url)
-    reader_r = aioredis.from_url(url)
-    keys = Keys(cfg.key_prefix)
-    store = RequestStore(r, keys, cfg.store)
-    secret = await shared_secret(r, keys, cfg.session_secret)
-    sessions = SessionStore(r, keys, secret, cfg.store.session_ttl_ms)
+    reader = aioredis.from_url(url)
+    try:
+        await r.ping()
+        yield StoreHandles(r, reader, RequestStore(r, Keys(cfg.key_prefix), cfg.store), url)
+    finally:
+        await r.aclose()
+        await reader.aclose()
+        if valkey is not None:
+            valkey.stop()
 
-    state: dict[str, object] = {}
-    gateway = Gateway(store, sessions, reader_r, cfg.gateway, ready=lambda: "worker" in state)
+
+async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gateway:
+    secret = await shared_secret(h.r, h.store.keys, cfg.session_secret)
+    sessions = SessionStore(h.r, h.store.keys, secret, cfg.store.session_ttl_ms)
+    gateway = Gateway(h.store, sessions, h.reader, cfg.gateway, ready=ready, name=cfg.name)
     port = await gateway.start()
     # The line tests and scripts wait for; stdout, unbuffered.
     print(f"tokenwire listening on ws://{cfg.gateway.host}:{port}{WS_PATH}", flush=True)
+    return gateway
 
-    async def start_worker() -> None:
-        from server.engine.model import load_model
-        from server.engine.simple import SimpleEngine
-        from server.worker.loop import Worker
 
-        loaded = await loop.run_in_executor(
-            None, lambda: load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
-        )
-        engine = SimpleEngine(loaded)
-        worker = Worker(store, engine, max_running=cfg.max_running)
-        await worker.start()
-        state["worker"] = worker
-        state["engine"] = engine
-        print(f"tokenwire ready: model {loaded.name} on {loaded.device}", flush=True)
+def build_engine(loaded: Any, cfg: ServeConfig) -> Any:
+    """The engine for a loaded model (the one place that picks the engine implementation)."""
+    from server.engine.simple import SimpleEngine
 
-    worker_task = asyncio.create_task(start_worker())
-    stop_task = asyncio.create_task(stop.wait())
-    try:
-        done, _ = await asyncio.wait({worker_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        if worker_task in done and worker_task.exception() is not None:
-            exc = worker_task.exception()
-            print(f"tokenwire: cannot start the worker: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
-        await stop.wait()
-    finally:
-        log.info("serve.stopping")
-        worker_task.cancel()
-        await gateway.stop()
-        worker = state.get("worker")
-        if worker is not None:
-            await worker.stop()  # type: ignore[attr-defined]
-        await r.aclose()
-        await reader_r.aclose()
-        if valkey is not None:
-            valkey.stop()
+    return SimpleEngine(loaded)
+
+
+async def start_worker(cfg: ServeConfig, h: StoreHandles) -> Any:
+    from server.engine.model import load_model
+    from server.worker.loop import Worker
+
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    loaded = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    )
+    worker = Worker(h.store, build_engine(loaded, cfg), name=cfg.name, max_running=cfg.max_running)
+    await worker.start()
+    print(f"tokenwire ready: model {loaded.name} on {loaded.device} (worker {worker.name})", flush=True)
+    return worker
+
+
+async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Gateway and worker in one process, until ``stop`` is set (or SIGINT/SIGTERM)."""
+    stop = stop or asyncio.Event()
+    _stop_on_signals(stop)
+    async with open_store(cfg, embedded_ok=True) as h:
+        state: dict[str, Any] = {}
+        gateway = await start_gateway(cfg, h, ready=lambda: "worker" in state)
+        worker_task = asyncio.create_task(start_worker(cfg, h))
+        stop_task = asyncio.create_task(stop.wait())
+        try:
+            done, _ = await asyncio.wait({worker_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+            if worker_task in done:
+                if worker_task.exception() is not None:
+                    print(f"tokenwire: cannot start the worker: {worker_task.exception()}", file=sys.stderr)
+                    raise SystemExit(2)
+                state["worker"] = worker_task.result()
+            await stop.wait()
+        finally:
+            log.info("serve.stopping")
+            stop_task.cancel()
+            worker_task.cancel()
+            await gateway.stop()  # clients get 1012 and will resume
+            if "worker" in state:
+                await state["worker"].drain(min(cfg.drain_timeout_s, 2.0))
+
+
+async def run_gateway(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
+    """A gateway process: sockets and sessions, no model. SIGTERM: stop accepting, close with 1012, exit."""
+    stop = stop or asyncio.Event()
+    _stop_on_signals(stop)
+    async with open_store(cfg, embedded_ok=False) as h:
+
+        def ready() -> bool:
+            return True  # the store answered at start; requests queue until some worker takes them
+
+        gateway = await start_gateway(cfg, h, ready)
+        try:
+            await stop.wait()
+        finally:
+            log.info("gateway.draining", connections=len(gateway.connections))
+            await gateway.stop()
+
+
+async def run_worker(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
+    """A worker process: model, no sockets. SIGTERM: take no new work, finish or hand back within
+    ``drain_timeout_s``, exit."""
+    stop = stop or asyncio.Event()
+    _stop_on_signals(stop)
+    async with open_store(cfg, embedded_ok=False) as h:
+        worker = await start_worker(cfg, h)
+        try:
+            await stop.wait()
+        finally:
+            handed = await worker.drain(cfg.drain_timeout_s)
+            log.info("worker.stopped", handed_back=handed)

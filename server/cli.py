@@ -7,36 +7,77 @@ import asyncio
 import contextlib
 import os
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from server import __version__
+
+if TYPE_CHECKING:
+    from server.app import ServeConfig
 
 DEFAULT_URL = "ws://127.0.0.1:8765/v1/ws"
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from server.app import ServeConfig, serve
+def _config(args: argparse.Namespace) -> ServeConfig:
+    from server.app import ServeConfig
     from server.gateway.server import GatewaySettings
+    from server.store.requests import Settings
+
+    return ServeConfig(
+        gateway=GatewaySettings(
+            host=getattr(args, "host", "127.0.0.1"),
+            port=getattr(args, "port", 8765),
+            auth_secret=getattr(args, "auth_secret", None) or os.environ.get("TOKENWIRE_AUTH_SECRET") or None,
+        ),
+        store=Settings(
+            lease_ttl_ms=int(args.lease_ttl * 1000),
+            detach_timeout_ms=int(args.detach_timeout * 1000),
+        ),
+        redis_url=args.redis_url or os.environ.get("TOKENWIRE_REDIS_URL") or None,
+        data_dir=Path(getattr(args, "data_dir", None) or os.environ.get("TOKENWIRE_DATA") or ".tokenwire"),
+        key_prefix=args.key_prefix,
+        model=getattr(args, "model", None),
+        device=getattr(args, "device", None),
+        dtype=getattr(args, "dtype", "auto"),
+        threads=getattr(args, "threads", None),
+        drain_timeout_s=getattr(args, "drain_timeout", 10.0),
+        session_secret=os.environ.get("TOKENWIRE_SESSION_SECRET") or None,
+        name=getattr(args, "name", None),
+    )
+
+
+def _run(args: argparse.Namespace, main: Callable[[ServeConfig], Coroutine[Any, Any, None]]) -> int:
     from server.logs import configure
 
     configure(args.log_level)
-    cfg = ServeConfig(
-        gateway=GatewaySettings(
-            host=args.host,
-            port=args.port,
-            auth_secret=args.auth_secret or os.environ.get("TOKENWIRE_AUTH_SECRET") or None,
-        ),
-        redis_url=args.redis_url or os.environ.get("TOKENWIRE_REDIS_URL") or None,
-        data_dir=Path(args.data_dir or os.environ.get("TOKENWIRE_DATA") or ".tokenwire"),
-        key_prefix=args.key_prefix,
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        session_secret=os.environ.get("TOKENWIRE_SESSION_SECRET") or None,
-    )
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(cfg))
+        asyncio.run(main(_config(args)))
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.app import serve
+
+    return _run(args, serve)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from server.app import run_gateway
+
+    return _run(args, run_gateway)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from server.app import run_worker
+
+    return _run(args, run_worker)
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from server.cluster import run_cluster
+
+    return run_cluster(args)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -76,21 +117,74 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", action="version", version=f"tokenwire {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run gateway + worker in one process (embedded Valkey by default)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed on stdout)")
-    s.add_argument("--redis-url", help="external Redis/Valkey (default: start an embedded Valkey)")
+    def common(p: argparse.ArgumentParser, *, redis_required: bool) -> None:
+        p.add_argument(
+            "--redis-url",
+            required=False,
+            help="Redis/Valkey URL (or $TOKENWIRE_REDIS_URL)"
+            + ("; required" if redis_required else "; default: start an embedded Valkey"),
+        )
+        p.add_argument("--key-prefix", default="tw:", help="prefix of every Redis key (default tw:)")
+        p.add_argument("--lease-ttl", type=float, default=10.0, help="worker lease, seconds (default 10)")
+        p.add_argument(
+            "--detach-timeout",
+            type=float,
+            default=30.0,
+            help="cancel a request nobody is attached to for this long, seconds (default 30)",
+        )
+        p.add_argument("--name", help="this process's id in the store (default host-pid)")
+        p.add_argument("--log-level", default="info")
+
+    def sockets(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed on stdout)")
+        p.add_argument(
+            "--auth-secret",
+            help="require hello.token: an HS256 JWT signed with this secret (or $TOKENWIRE_AUTH_SECRET)",
+        )
+
+    def model(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
+        p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+        p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
+        p.add_argument("--threads", type=int, help="torch CPU threads for the engine (default: torch's)")
+        p.add_argument(
+            "--drain-timeout",
+            type=float,
+            default=10.0,
+            help="on SIGTERM, let running requests finish this long before handing them back (seconds)",
+        )
+
+    s = sub.add_parser("serve", help="gateway + worker in one process (embedded Valkey by default)")
+    common(s, redis_required=False)
+    sockets(s)
+    model(s)
     s.add_argument("--data-dir", help="embedded Valkey data (default $TOKENWIRE_DATA or ./.tokenwire)")
-    s.add_argument("--key-prefix", default="tw:", help="prefix of every Redis key (default tw:)")
-    s.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
-    s.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    s.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
-    s.add_argument(
-        "--auth-secret",
-        help="require hello.token: an HS256 JWT signed with this secret (or $TOKENWIRE_AUTH_SECRET)",
-    )
-    s.add_argument("--log-level", default="info")
     s.set_defaults(func=_serve)
+
+    g = sub.add_parser("gateway", help="a gateway process: WebSockets, no model (cluster mode)")
+    common(g, redis_required=True)
+    sockets(g)
+    g.set_defaults(func=_gateway)
+
+    w = sub.add_parser("worker", help="a worker process: the model, no sockets (cluster mode)")
+    common(w, redis_required=True)
+    model(w)
+    w.set_defaults(func=_worker)
+
+    k = sub.add_parser("cluster", help="a local cluster: N gateways and M workers sharing one Redis")
+    k.add_argument("--gateways", type=int, default=2)
+    k.add_argument("--workers", type=int, default=2)
+    k.add_argument("--host", default="127.0.0.1")
+    k.add_argument("--port", type=int, default=8765, help="first gateway's port; the others follow")
+    k.add_argument("--redis-url", help="shared Redis (default: start an embedded Valkey)")
+    k.add_argument("--data-dir", help="embedded Valkey data (default $TOKENWIRE_DATA or ./.tokenwire)")
+    k.add_argument("--key-prefix", default="tw:")
+    k.add_argument("--model")
+    k.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
+    k.add_argument("--lease-ttl", type=float, default=10.0)
+    k.add_argument("--log-level", default="info")
+    k.set_defaults(func=_cluster)
 
     c = sub.add_parser("chat", help="chat in the terminal with a running server")
     c.add_argument("url", nargs="?", default=DEFAULT_URL)

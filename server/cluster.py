@@ -1,0 +1,111 @@
+"""``tokenwire cluster``: a local cluster for demos and tests — one shared Redis (embedded Valkey unless
+``--redis-url``), N gateway processes on consecutive ports and M worker processes, all stopped together
+on Ctrl-C or SIGTERM (each gets SIGTERM first, so gateways close with 1012 and workers drain)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+STOP_GRACE_S = 20.0
+
+
+def _spawn(name: str, args: list[str]) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "server.cli", *args]
+    # stdout is read for the "listening"/"ready" lines; stderr (the logs) goes straight to ours.
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+
+def _relay(name: str, proc: subprocess.Popen[str], ready: threading.Event) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print(f"[{name}] {line.rstrip()}", flush=True)
+        if line.startswith(("tokenwire listening", "tokenwire ready")):
+            ready.set()
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    from server.store.embedded import EmbeddedValkey
+
+    valkey: EmbeddedValkey | None = None
+    url = args.redis_url or os.environ.get("TOKENWIRE_REDIS_URL")
+    if not url:
+        valkey = EmbeddedValkey(Path(args.data_dir or os.environ.get("TOKENWIRE_DATA") or ".tokenwire"))
+        url = valkey.start()
+    common = [
+        "--redis-url",
+        url,
+        "--key-prefix",
+        args.key_prefix,
+        "--lease-ttl",
+        str(args.lease_ttl),
+        "--log-level",
+        args.log_level,
+    ]
+    procs: dict[str, subprocess.Popen[str]] = {}
+    readies: list[threading.Event] = []
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for i in range(args.workers):
+            wargs = ["worker", *common, "--name", f"worker-{i}", "--threads", str(args.threads_per_worker)]
+            if args.model:
+                wargs += ["--model", args.model]
+            procs[f"worker-{i}"] = _spawn(f"worker-{i}", wargs)
+        for i in range(args.gateways):
+            gargs = [
+                "gateway",
+                *common,
+                "--name",
+                f"gateway-{i}",
+                "--host",
+                args.host,
+                "--port",
+                str(args.port + i),
+            ]
+            procs[f"gateway-{i}"] = _spawn(f"gateway-{i}", gargs)
+        for name, proc in procs.items():
+            ev = threading.Event()
+            readies.append(ev)
+            threading.Thread(target=_relay, args=(name, proc, ev), daemon=True).start()
+        while not stopping.is_set() and not all(ev.is_set() for ev in readies):
+            if any(p.poll() is not None for p in procs.values()):
+                break
+            time.sleep(0.1)
+        if all(ev.is_set() for ev in readies):
+            urls = ", ".join(f"ws://{args.host}:{args.port + i}/v1/ws" for i in range(args.gateways))
+            print(
+                f"tokenwire cluster ready: {args.gateways} gateways ({urls}), {args.workers} workers",
+                flush=True,
+            )
+        while not stopping.is_set():
+            for name, p in procs.items():
+                if p.poll() is not None and not getattr(p, "_reported", False):
+                    print(f"tokenwire cluster: {name} exited with {p.returncode}", flush=True)
+                    p._reported = True  # type: ignore[attr-defined]
+            time.sleep(0.2)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if valkey is not None:
+            valkey.stop()
+    return 0

@@ -14,27 +14,27 @@ LISTEN = re.compile(r"tokenwire listening on (ws://\S+)")
 
 
 class ServeProcess:
-    def __init__(self, args: list[str], data_dir: Path, env: dict[str, str] | None = None) -> None:
+    """``tokenwire serve`` (or ``gateway`` / ``worker`` with ``command``) as a child process."""
+
+    def __init__(
+        self, args: list[str], data_dir: Path, env: dict[str, str] | None = None, command: str = "serve"
+    ) -> None:
         self.args = args
+        self.command = command
         self.data_dir = data_dir
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
-        self.stderr_path = data_dir / "serve.stderr"
+        self.stderr_path = data_dir / f"{command}-{id(self)}.stderr"
 
     def start(self, timeout: float = 120.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--port",
-            "0",
-            "--data-dir",
-            str(self.data_dir),
-            *self.args,
-        ]
+        cmd = [sys.executable, "-m", "server.cli", self.command]
+        if self.command == "serve":
+            cmd += ["--port", "0", "--data-dir", str(self.data_dir)]
+        elif self.command == "gateway":
+            cmd += ["--port", "0"]
+        cmd += self.args
         self._stderr = self.stderr_path.open("w")
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=self.env
@@ -50,7 +50,7 @@ class ServeProcess:
             m = LISTEN.search(line)
             if m:
                 self.url = m.group(1)
-            if line.startswith("tokenwire ready"):
+            if line.startswith("tokenwire ready") or (self.command == "gateway" and self.url):
                 return self.url
         raise TimeoutError(f"serve not ready in {timeout}s: {self.stderr_path.read_text()[-3000:]}")
 

@@ -1,0 +1,90 @@
+"""``tokenwire cluster`` starts gateways on consecutive ports and workers, and stops all of it on Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+from protocol import Params
+from server.client import Client, collect
+
+
+def _free_consecutive_ports(n: int) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                t = socket.socket()
+                t.bind(("127.0.0.1", base + i))
+                socks.append(t)
+            for t in socks:
+                t.close()
+            return base
+        except OSError:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no free consecutive ports")
+
+
+async def test_cluster_command_serves_on_every_gateway_and_stops_on_ctrl_c(
+    tiny_model_dir: Path, redis_url: str
+) -> None:
+    port = _free_consecutive_ports(2)
+    prefix = f"twtest:clustercmd:{uuid.uuid4().hex[:8]}:"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "server.cli", "cluster", "--gateways", "2", "--workers", "2",
+        "--port", str(port), "--redis-url", redis_url, "--key-prefix", prefix, "--model", str(tiny_model_dir),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        while not lines or not lines[-1].startswith("tokenwire cluster ready"):
+            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+            assert line, f"cluster exited early: {lines}"
+            lines.append(line)
+        assert f"ws://127.0.0.1:{port}/v1/ws" in lines[-1] and f"ws://127.0.0.1:{port + 1}/v1/ws" in lines[-1]
+        assert sum("tokenwire ready" in x for x in lines) == 2  # both workers
+        for p in (port, port + 1):
+            c = await Client.connect(f"ws://127.0.0.1:{p}/v1/ws")
+            _, _, done, errors = await collect(c.chat("hi", params=Params(max_tokens=5, seed=1)))
+            assert errors == [] and done is not None and done.offset >= 1
+            await c.close()
+        children = _children(proc.pid)
+        assert len(children) == 4
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        assert not [c for c in children if _alive(c)]
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -11,8 +11,8 @@ from typing import Any
 import msgpack
 import pytest
 from hypothesis import HealthCheck, event, given, settings
-from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 from protocol import (
     JSON_SUBPROTOCOL,

@@ -8,6 +8,7 @@ sends those messages and then closes the WebSocket with that code. Nothing here 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any
 
 from protocol.codec import Codec, codec_for
@@ -39,8 +40,15 @@ class ServerState(enum.Enum):
 class ServerConnection:
     """The server's side of one connection."""
 
-    def __init__(self, subprotocol: str, *, max_bad_frames: int = MAX_CONSECUTIVE_BAD_FRAMES) -> None:
+    def __init__(
+        self,
+        subprotocol: str,
+        *,
+        max_bad_frames: int = MAX_CONSECUTIVE_BAD_FRAMES,
+        on_error: Callable[[ErrorCode], None] | None = None,
+    ) -> None:
         self.codec: Codec = codec_for(subprotocol)
+        self._on_error = on_error  # observability hook (metrics); called for every error frame queued
         self.state = ServerState.AWAITING_HELLO
         self.close_code: CloseCode | None = None
         self.close_reason = ""
@@ -105,6 +113,8 @@ class ServerConnection:
     def send_error(self, exc: ProtocolError) -> None:
         if self.state is not ServerState.CLOSING:
             self._out.append(self.codec.encode(Error.from_exc(exc).to_wire()))
+            if self._on_error is not None:
+                self._on_error(exc.code)
 
     def fail(self, exc: ProtocolError, code: CloseCode) -> None:
         """Send an error and close (used for a refused hello: unauthorized, bad session_token)."""

@@ -39,6 +39,7 @@ class ServeConfig:
     max_running: int = 64
     drain_timeout_s: float = 10.0
     name: str | None = None  # worker/gateway id (default host-pid)
+    metrics_port: int | None = None  # a worker process's /metrics (gateways serve it on their own port)
 
 
 @dataclass(slots=True)
@@ -92,9 +93,9 @@ async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gatewa
 
 def build_engine(loaded: Any, cfg: ServeConfig) -> Any:
     """The engine for a loaded model (the one place that picks the engine implementation)."""
-    from server.engine.simple import SimpleEngine
+    from server.engine.engine import engine_for
 
-    return SimpleEngine(loaded)
+    return engine_for(loaded)  # batching for Llama-family models, SimpleEngine for the rest
 
 
 async def start_worker(cfg: ServeConfig, h: StoreHandles) -> Any:
@@ -163,6 +164,10 @@ async def run_worker(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> 
     stop = stop or asyncio.Event()
     _stop_on_signals(stop)
     async with open_store(cfg, embedded_ok=False) as h:
+        if cfg.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(cfg.metrics_port, addr=cfg.gateway.host)
         worker = await start_worker(cfg, h)
         try:
             await stop.wait()

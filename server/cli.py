@@ -44,6 +44,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         drain_timeout_s=getattr(args, "drain_timeout", 10.0),
         session_secret=os.environ.get("TOKENWIRE_SESSION_SECRET") or None,
         name=getattr(args, "name", None),
+        metrics_port=getattr(args, "metrics_port", None),
     )
 
 
@@ -112,6 +113,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace) -> int:
+    from server.load.cli import run_from_args
+
+    return run_from_args(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tokenwire", description="WebSocket chat server for LLMs")
     p.add_argument("--version", action="version", version=f"tokenwire {__version__}")
@@ -170,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("worker", help="a worker process: the model, no sockets (cluster mode)")
     common(w, redis_required=True)
     model(w)
+    w.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    w.add_argument("--host", default="127.0.0.1", help="address for --metrics-port")
     w.set_defaults(func=_worker)
 
     k = sub.add_parser("cluster", help="a local cluster: N gateways and M workers sharing one Redis")
@@ -205,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtype", default="auto")
     b.add_argument("--paths", help="comma-separated subset of ceiling,static,hf_cb,engine,engine_poisson")
     b.set_defaults(func=_bench)
+
+    from server.load.options import add_arguments as add_load_arguments
+
+    ld = sub.add_parser("load", help="WebSocket load test of a running server (latency, tokens/s, resumes)")
+    add_load_arguments(ld)
+    ld.set_defaults(func=_load)
 
     args = p.parse_args(argv)
     rc: int = args.func(args)

@@ -36,6 +36,7 @@ from protocol import (
     Welcome,
 )
 from protocol.connection import ServerConnection
+from server import metrics
 from server.gateway.auth import authenticate
 from server.store.logs import LogEntry
 
@@ -54,7 +55,9 @@ class Connection:
         self.gw = gw
         self.ws = ws
         assert ws.subprotocol is not None  # the handshake refuses connections without one
-        self.proto = ServerConnection(ws.subprotocol)
+        self.proto = ServerConnection(
+            ws.subprotocol, on_error=lambda code: metrics.ERRORS.labels(code.value).inc()
+        )
         self.user: str | None = None
         self.session = ""
         self.owner = ""
@@ -180,6 +183,8 @@ class Connection:
             user_message=user_message,
             prefer=await self.gw.router.prefer(self.session),
         )
+        if res.outcome in ("conflict", "overloaded"):
+            metrics.REQUESTS.labels(res.outcome).inc()
         if res.outcome == "conflict":
             raise ProtocolError(
                 ErrorCode.IDEMPOTENCY_CONFLICT,
@@ -193,11 +198,13 @@ class Connection:
                 id=chat.id,
                 retry_after_ms=1000,
             )
-        self.log.info("request.accepted", request_id=chat.id, outcome=res.outcome)
+        metrics.REQUESTS.labels(res.outcome).inc()
+        self.log.info("request.accepted", request_id=chat.id, outcome=res.outcome, state=res.state)
         self.proto.send(Accepted(id=chat.id, epoch=res.epoch, state=res.state))
         self._attach(chat.id, 0)
 
     async def _resume(self, id: str, offset: int, epoch: int | None) -> None:
+        metrics.RESUMES.inc()
         info = await self.gw.store.get(self.owner, id)
         if info is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=id)
@@ -295,9 +302,11 @@ class Connection:
 async def handle(gw: Gateway, ws: WebSocket) -> None:
     conn = Connection(gw, ws)
     gw.connections.add(conn)
+    metrics.CONNECTIONS.inc()
     try:
         await conn.run()
     finally:
+        metrics.CONNECTIONS.dec()
         gw.connections.discard(conn)
         with contextlib.suppress(Exception):
             await ws.close()

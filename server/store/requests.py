@@ -64,6 +64,7 @@ class WorkItem:
     payload: dict[str, Any]
     completion_tokens: int  # > 0: a re-queued request to continue after these logged tokens
     epoch: int
+    queue_wait_ms: int = 0  # from creation (or re-queue) to this start, on the Redis clock
 
 
 @dataclass(slots=True)
@@ -256,6 +257,7 @@ class RequestStore:
             payload=payload,
             completion_tokens=int(res[1]),
             epoch=int(res[2]),
+            queue_wait_ms=int(res[3]),
         )
 
     async def _owner_id(self, req_key: str) -> tuple[str | None, str]:
@@ -356,6 +358,10 @@ class RequestStore:
                 args=[dead_worker, "self" if own else ""],
             )
         )
+
+    async def queued(self) -> int:
+        """Requests waiting in the queue (all workers)."""
+        return int(await self.r.get(self.keys.queued_count) or 0)
 
     async def live_workers(self) -> dict[str, tuple[int, int]]:
         """Workers with a live lease: id -> (running, capacity)."""

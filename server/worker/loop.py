@@ -11,15 +11,20 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
+from server import metrics
 from server.aio import cancel_and_wait
 from server.engine.api import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     Engine,
+    EngineOverloaded,
     GenerationRequest,
     SamplingParams,
     StepOutput,
@@ -45,6 +50,13 @@ def params_from_payload(p: dict[str, object]) -> SamplingParams:
     )
 
 
+@dataclass(slots=True)
+class _Timing:
+    started: float  # monotonic, when this worker started the request
+    log: Any  # a logger bound to the request's id, session, user and this worker
+    last: float | None = None  # when its last delta was logged
+
+
 class Worker:
     def __init__(
         self, store: RequestStore, engine: Engine, *, name: str | None = None, max_running: int = 64
@@ -55,6 +67,7 @@ class Worker:
         self.max_running = max_running
         self._items: dict[str, WorkItem] = {}
         self._replies: dict[str, list[str]] = {}
+        self._timing: dict[str, _Timing] = {}
         self._steps: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._room = asyncio.Event()
@@ -69,6 +82,9 @@ class Worker:
             loop.call_soon_threadsafe(self._steps.put_nowait, outs)
 
         self.engine.start(on_step)
+        kv_usage = getattr(self.engine, "kv_usage", None)
+        if callable(kv_usage):
+            metrics.KV_USAGE.set_function(kv_usage)
         self._room.set()
         await self._heartbeat()  # hold a lease before taking any work
         self._tasks = [
@@ -129,7 +145,9 @@ class Worker:
                 for dead in await self._heartbeat():
                     n = await self.store.reap(dead)
                     if n >= 0:
+                        metrics.REQUEUED.inc(n)
                         log.warning("worker.reaped", dead_worker=dead, requeued=n, worker=self.name)
+                metrics.QUEUE_DEPTH.set(await self.store.queued())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -139,26 +157,36 @@ class Worker:
         p = item.payload
         key = item.req_key
         self._items[key] = item
+        rlog = log.bind(request_id=p["id"], session=p.get("session"), user=p.get("owner"), server=self.name)
+        self._timing[key] = _Timing(started=time.monotonic(), log=rlog)
         self._idle.clear()
         self._replies[key] = [resumed_text]
         if len(self._items) >= self.max_running:
             self._room.clear()
-        self.engine.submit(
-            GenerationRequest(
-                key=key,
-                messages=p["messages"],
-                params=params_from_payload(p.get("params") or {}),
-                resume_ids=resume,
+        metrics.RUNNING.set(len(self._items))
+        metrics.QUEUE_WAIT.observe(item.queue_wait_ms / 1000)
+        request = GenerationRequest(
+            key=key,
+            messages=p["messages"],
+            params=params_from_payload(p.get("params") or {}),
+            resume_ids=resume,
+            session=p.get("session") or "",
+        )
+        try:
+            self.engine.submit(request)
+        except EngineOverloaded as exc:
+            # The engine's own waiting queue is full: end the request with a clear error, never drop it.
+            out = StepOutput(
+                key,
+                len(resume),
+                0,
+                "",
+                finish="error",
+                error_code="overloaded",
+                error_message=f"the engine is full; retry after {exc.retry_after_ms} ms",
             )
-        )
-        log.info(
-            "request.started",
-            request_id=p["id"],
-            session=p.get("session"),
-            user=p.get("owner"),
-            worker=self.name,
-            resumed_at=len(resume) or None,
-        )
+            self._steps.put_nowait([out])
+        rlog.info("request.started", resumed_at=len(resume) or None, queue_wait_ms=item.queue_wait_ms)
 
     async def _write(self, ops: list[StepOp]) -> list[bool]:
         """Write a step, retrying through a store outage: dropping it would leave a gap in the logs.
@@ -201,21 +229,35 @@ class Worker:
                         error_message=o.error_message,
                     )
                 )
+            t0 = time.perf_counter()
             held = await self._write(ops)
+            now = time.monotonic()
+            metrics.REDIS_RTT.observe(time.perf_counter() - t0)
             for op, ok in zip(ops, held, strict=True):
                 key = op.item.req_key
+                if ok and op.n:
+                    metrics.TOKENS.inc(op.n)
+                    timing = self._timing.get(key)
+                    if timing is not None:
+                        if timing.last is None:
+                            metrics.TTFT.observe(now - timing.started)
+                        else:
+                            metrics.INTER_TOKEN.observe((now - timing.last) / op.n)
+                        timing.last = now
+                if ok and op.finish is not None:
+                    metrics.FINISHED.labels(op.finish).inc()
                 if not ok and op.finish is None:
                     self.engine.cancel(key)  # cancelled or no longer ours: stop spending compute on it
                 if not ok or op.finish is not None:
                     self._items.pop(key, None)
                     self._replies.pop(key, None)
+                    t = self._timing.pop(key, None)
+                    rlog = t.log if t is not None else log.bind(request_id=op.item.payload["id"])
                     if op.finish is not None:
-                        log.info(
-                            "request.finished",
-                            request_id=op.item.payload["id"],
-                            finish=op.finish,
-                            tokens=op.offset + op.n,
-                        )
+                        rlog.info("request.finished", finish=op.finish, tokens=op.offset + op.n)
+                    elif not ok:
+                        rlog.info("request.stopped", reason="cancelled, detached or taken over")
+            metrics.RUNNING.set(len(self._items))
             if len(self._items) < self.max_running:
                 self._room.set()
             if not self._items:

@@ -2,12 +2,12 @@
 -- KEYS[1] request hash, KEYS[2] queued-requests counter, KEYS[3] token log, KEYS[4] this worker's set of
 --   running requests (what another worker re-queues if this one's lease lapses)
 -- ARGV: 1 worker id, 2 retention_ms
--- Returns {payload, completion_tokens, epoch} or false when the request is gone or no longer queued
+-- Returns {payload, completion_tokens, epoch, queue wait ms} or false when the request is gone or no longer queued
 -- (cancelled while it waited, or nobody attached for detach_timeout: then it is cancelled here).
 -- A re-queued request whose log is gone cannot be continued: it restarts from token 0 under a new epoch,
 -- so a client holding the old epoch gets resume_failed instead of a silently different stream.
 local req = KEYS[1]
-local f = redis.call('HMGET', req, 'state', 'attached_until', 'completion_tokens')
+local f = redis.call('HMGET', req, 'state', 'attached_until', 'completion_tokens', 'updated_ms')
 if f[1] ~= 'queued' then
   return false
 end
@@ -29,4 +29,5 @@ end
 redis.call('HSET', req, 'state', 'running', 'worker', ARGV[1], 'started_ms', now, 'updated_ms', now)
 redis.call('SADD', KEYS[4], req)
 local r = redis.call('HMGET', req, 'payload', 'completion_tokens', 'epoch')
-return {r[1], tonumber(r[2]), tonumber(r[3])}
+-- updated_ms was set when it was queued (or re-queued): the difference is the time it waited.
+return {r[1], tonumber(r[2]), tonumber(r[3]), now - tonumber(f[4] or now)}

@@ -1,0 +1,59 @@
+"""Prometheus metrics of the gateway and the worker (one process registry; ``/metrics`` serves it).
+
+Names follow Prometheus conventions (``tokenwire_`` prefix, ``_total`` counters, ``_seconds``
+histograms). In ``serve`` mode one registry holds both sides; a cluster's gateways and workers each
+export their own.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+# ---- gateway
+CONNECTIONS = Gauge("tokenwire_connections_open", "WebSocket connections open on this gateway")
+REQUESTS = Counter(
+    "tokenwire_chat_requests_total",
+    "chat frames by outcome: new request, idempotent attach, conflict, overloaded",
+    ["outcome"],
+)
+RESUMES = Counter("tokenwire_resumes_total", "resume requests (resume frames and hello.resume points)")
+ERRORS = Counter("tokenwire_errors_total", "error frames sent, by code", ["code"])
+STREAMS = Gauge("tokenwire_streams_attached", "request streams attached to connections on this gateway")
+
+# ---- worker
+RUNNING = Gauge("tokenwire_requests_running", "requests running on this worker's engine")
+QUEUE_DEPTH = Gauge("tokenwire_queue_depth", "requests queued in the store, waiting for a worker")
+FINISHED = Counter(
+    "tokenwire_requests_finished_total", "requests ended by this worker, by reason", ["reason"]
+)
+TOKENS = Counter("tokenwire_tokens_generated_total", "completion tokens written to token logs")
+TTFT = Histogram(
+    "tokenwire_ttft_seconds",
+    "time from a worker starting a request to its first token being logged",
+    buckets=_LATENCY_BUCKETS,
+)
+QUEUE_WAIT = Histogram(
+    "tokenwire_queue_wait_seconds",
+    "time a request waited in the queue before a worker started it",
+    buckets=_LATENCY_BUCKETS,
+)
+INTER_TOKEN = Histogram(
+    "tokenwire_inter_token_seconds",
+    "time between a request's consecutive logged deltas, per token",
+    buckets=_STEP_BUCKETS,
+)
+REDIS_RTT = Histogram(
+    "tokenwire_redis_step_write_seconds",
+    "round trip of one engine step's pipelined write to Redis",
+    buckets=_STEP_BUCKETS,
+)
+KV_USAGE = Gauge("tokenwire_kv_cache_usage_ratio", "share of the engine's KV-cache budget in use")
+REQUEUED = Counter("tokenwire_requests_requeued_total", "requests re-queued from workers whose lease lapsed")
+
+
+def render() -> tuple[bytes, str]:
+    """The exposition text and its content type."""
+    return generate_latest(), CONTENT_TYPE_LATEST

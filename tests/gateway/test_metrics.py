@@ -1,0 +1,85 @@
+"""/metrics parses with prometheus-client's parser and moves when requests run; log lines carry the
+request's bound fields and no prompt or completion text."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import urllib.request
+
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+from protocol import Params
+from server.client import Client, collect
+from server.logs import configure
+from tests.gateway.conftest import Running
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def test_metrics_parse_and_move(server: Running) -> None:
+    loop = asyncio.get_running_loop()
+    before = await loop.run_in_executor(None, _scrape, server.port)
+    c = await Client.connect(server.url)
+    _, _, done, _ = await collect(c.chat("count me", id="m1", params=Params(max_tokens=7)))
+    await collect(c.chat("count me", id="m1", params=Params(max_tokens=7)))  # idempotent attach
+    after = await loop.run_in_executor(None, _scrape, server.port)
+    await c.close()
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert done is not None
+    assert delta("tokenwire_tokens_generated_total") == done.offset == 7
+    assert delta("tokenwire_chat_requests_total", outcome="new") == 1
+    assert delta("tokenwire_chat_requests_total", outcome="attach") == 1
+    assert delta("tokenwire_requests_finished_total", reason="length") == 1
+    assert delta("tokenwire_ttft_seconds_count") == 1
+    assert delta("tokenwire_inter_token_seconds_count") >= 1
+    assert delta("tokenwire_redis_step_write_seconds_count") >= 1
+    assert after[("tokenwire_connections_open", ())] >= 1
+    for name in ("tokenwire_queue_depth", "tokenwire_requests_running", "tokenwire_streams_attached"):
+        assert (name, ()) in after
+
+
+async def test_bad_frames_are_counted_by_code(server: Running) -> None:
+    loop = asyncio.get_running_loop()
+    before = await loop.run_in_executor(None, _scrape, server.port)
+    c = await Client.connect(server.url)
+    await c.send_raw(b"\xc1", encode=False)
+    await c.recv()
+    after = await loop.run_in_executor(None, _scrape, server.port)
+    key = ("tokenwire_errors_total", (("code", "bad_frame"),))
+    assert after[key] - before.get(key, 0.0) == 1
+    await c.close()
+
+
+async def test_request_log_lines_are_bound_and_carry_no_text(server: Running) -> None:
+    buf = io.StringIO()
+    configure("info", json=True)
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=buf), cache_logger_on_first_use=False)
+    try:
+        c = await Client.connect(server.url)
+        await collect(c.chat("my secret prompt words", id="logged", params=Params(max_tokens=5)))
+        await c.close()
+    finally:
+        structlog.reset_defaults()
+    lines = [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
+    mine = [x for x in lines if x.get("request_id") == "logged"]
+    events = {x["event"] for x in mine}
+    assert {"request.accepted", "request.started", "request.finished"} <= events
+    for x in mine:
+        assert x.get("session") and x.get("server") and "user" in x, x
+    assert "secret prompt" not in buf.getvalue()

@@ -29,10 +29,12 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             host=getattr(args, "host", "127.0.0.1"),
             port=getattr(args, "port", 8765),
             auth_secret=getattr(args, "auth_secret", None) or os.environ.get("TOKENWIRE_AUTH_SECRET") or None,
+            allowed_origins=tuple(args.allowed_origin) if getattr(args, "allowed_origin", None) else None,
         ),
         store=Settings(
             lease_ttl_ms=int(args.lease_ttl * 1000),
             detach_timeout_ms=int(args.detach_timeout * 1000),
+            max_queued=args.max_queued,
         ),
         redis_url=args.redis_url or os.environ.get("TOKENWIRE_REDIS_URL") or None,
         data_dir=Path(getattr(args, "data_dir", None) or os.environ.get("TOKENWIRE_DATA") or ".tokenwire"),
@@ -140,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
             help="cancel a request nobody is attached to for this long, seconds (default 30)",
         )
         p.add_argument("--name", help="this process's id in the store (default host-pid)")
+        p.add_argument(
+            "--max-queued",
+            type=int,
+            default=0,
+            help="refuse new chats with `overloaded` while this many wait in the queue (0: no limit)",
+        )
         p.add_argument("--log-level", default="info")
 
     def sockets(p: argparse.ArgumentParser) -> None:
@@ -148,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--auth-secret",
             help="require hello.token: an HS256 JWT signed with this secret (or $TOKENWIRE_AUTH_SECRET)",
+        )
+        p.add_argument(
+            "--allowed-origin",
+            action="append",
+            help="a browser Origin allowed to connect (repeat; default: any). Clients without Origin pass.",
         )
 
     def model(p: argparse.ArgumentParser) -> None:

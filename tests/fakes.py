@@ -33,6 +33,7 @@ class FakeEngine:
     def __init__(self, step_s: float = 0.002, reply_len: int = 12) -> None:
         self.step_s = step_s
         self.reply_len = reply_len  # words before a natural "stop" (unless max_tokens is smaller)
+        self.pad = ""  # appended to every token's text (tests that need big deltas)
         self.requests_started = 0
         self.started_keys: list[str] = []
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -83,9 +84,8 @@ class FakeEngine:
                 finish = None
                 if o + 1 >= limit:
                     finish = "length" if run.req.params.max_tokens <= self.reply_len else "stop"
-                outs.append(
-                    StepOutput(key, o, 1, run.words[o], finish=finish, prompt_tokens=len(run.req.messages))
-                )
+                text = run.words[o] + self.pad
+                outs.append(StepOutput(key, o, 1, text, finish=finish, prompt_tokens=len(run.req.messages)))
                 run.offset += 1
                 if finish:
                     del self._runs[key]

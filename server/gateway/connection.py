@@ -38,6 +38,7 @@ from protocol import (
 from protocol.connection import ServerConnection
 from server import metrics
 from server.gateway.auth import authenticate
+from server.gateway.limits import TokenBucket, limited, user_rate
 from server.store.logs import LogEntry
 
 if TYPE_CHECKING:
@@ -63,6 +64,8 @@ class Connection:
         self.owner = ""
         self._attached: dict[str, asyncio.Task[None]] = {}
         self._send_lock = asyncio.Lock()
+        rate = gw.settings.chat_rate_per_connection
+        self._bucket = TokenBucket(rate=rate, burst=2 * rate)
         self.log = log.bind(server=gw.name)
 
     async def run(self) -> None:
@@ -86,7 +89,15 @@ class Connection:
     async def _flush(self) -> None:
         async with self._send_lock:
             for data in self.proto.data_to_send():
-                await self.ws.send(data)
+                try:
+                    # A client that stops reading fills the socket buffers and blocks this send; waiting
+                    # forever would pile its deltas up in memory. Close it instead: its requests run on
+                    # and it can resume them after reconnecting.
+                    await asyncio.wait_for(self.ws.send(data), self.gw.settings.slow_reader_timeout_s)
+                except TimeoutError:
+                    self.log.warning("connection.slow_reader_closed")
+                    self.ws.transport.abort()
+                    raise ConnectionClosed(None, None) from None
 
     async def _send(self, frame: ServerFrame) -> None:
         self.proto.send(frame)
@@ -152,7 +163,21 @@ class Connection:
             except ProtocolError as exc:
                 self.proto.send_error(exc)
 
+    async def _check_limits(self, chat: Chat) -> None:
+        st = self.gw.settings
+        wait = self._bucket.take()
+        if wait:
+            raise limited(chat.id, "too many chats on this connection", wait)
+        if len(self._attached) >= st.max_streams_per_connection and chat.id not in self._attached:
+            raise limited(chat.id, f"at most {st.max_streams_per_connection} streams per connection", 1000)
+        wait = await user_rate(
+            self.gw.store.r, f"{self.gw.store.keys.prefix}rate:{self.owner}", st.chat_rate_per_user
+        )
+        if wait:
+            raise limited(chat.id, "too many chats for this user", wait)
+
     async def _chat(self, chat: Chat) -> None:
+        await self._check_limits(chat)
         fingerprint = hashlib.sha256(chat.canonical().encode()).hexdigest()
         params = chat.params.to_wire()
         # The server's own limit, advertised in welcome.limits.max_tokens, caps what a client asks for.
@@ -192,11 +217,13 @@ class Connection:
                 id=chat.id,
             )
         if res.outcome == "overloaded":
+            # An estimate: the queue ahead drains at roughly one request per 100 ms per worker here.
+            workers = max(1, len(await self.gw.store.live_workers()))
             raise ProtocolError(
                 ErrorCode.OVERLOADED,
                 "the server's queue is full; retry later",
                 id=chat.id,
-                retry_after_ms=1000,
+                retry_after_ms=min(30_000, 250 + 100 * res.queued // workers),
             )
         metrics.REQUESTS.labels(res.outcome).inc()
         self.log.info("request.accepted", request_id=chat.id, outcome=res.outcome, state=res.state)

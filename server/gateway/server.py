@@ -12,12 +12,15 @@ from http import HTTPStatus
 import redis.asyncio as aioredis
 import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from protocol import SUBPROTOCOLS, CloseCode, frames
+from server import metrics
 from server.aio import cancel_and_wait
 from server.gateway.connection import Connection, handle
 from server.gateway.routing import Router
+from server.gateway.static import static_response
 from server.store.logs import LogReader
 from server.store.requests import RequestStore
 from server.store.sessions import SessionStore
@@ -36,6 +39,12 @@ class GatewaySettings:
     ping_interval_s: float = 20.0
     max_tokens: int = frames.MAX_MAX_TOKENS  # cap on params.max_tokens, advertised in welcome.limits
     default_max_tokens: int = 256  # when a chat does not say
+    # Hostile or buggy clients: limits that answer rate_limited (with retry_after_ms) instead of serving.
+    chat_rate_per_connection: float = 10.0  # chats per second, bursts of twice that
+    chat_rate_per_user: int = 50  # chats per second per user, across all gateways
+    max_streams_per_connection: int = 64  # requests one connection may follow at once
+    allowed_origins: tuple[str, ...] | None = None  # browser Origins allowed; None: any
+    slow_reader_timeout_s: float = 10.0  # a send blocked this long closes the connection (1008)
 
 
 class Gateway:
@@ -63,8 +72,10 @@ class Gateway:
 
     def attach(self, req_key: str) -> None:
         self._attached[req_key] = self._attached.get(req_key, 0) + 1
+        metrics.STREAMS.inc()
 
     def detach(self, req_key: str) -> None:
+        metrics.STREAMS.dec()
         n = self._attached.get(req_key, 0) - 1
         if n > 0:
             self._attached[req_key] = n
@@ -85,17 +96,30 @@ class Gateway:
                 log.warning("gateway.touch_failed", error=str(exc))
 
     def limits(self) -> dict[str, int]:
-        return {"max_frame_bytes": self.settings.max_frame_bytes, "max_tokens": self.settings.max_tokens}
+        st = self.settings
+        return {
+            "max_frame_bytes": st.max_frame_bytes,
+            "max_tokens": st.max_tokens,
+            "max_streams": st.max_streams_per_connection,
+        }
 
     def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
         if path == "/healthz":
             return conn.respond(HTTPStatus.OK, "ok\n")
+        if path == "/metrics":
+            body, content_type = metrics.render()
+            headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body)))])
+            return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, body)
         if path == "/readyz":
             if self.ready():
                 return conn.respond(HTTPStatus.OK, "ready\n")
             return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "model loading\n")
         if path != WS_PATH:
+            # The browser chat UI: GET / and its files under /ui/, /src/, /vendor/ (client_js/).
+            static = static_response(request.path)
+            if static is not None:
+                return static
             return conn.respond(HTTPStatus.NOT_FOUND, f"not found; the WebSocket endpoint is {WS_PATH}\n")
         return None
 
@@ -109,6 +133,8 @@ class Gateway:
             self.settings.port,
             subprotocols=list(SUBPROTOCOLS),  # type: ignore[arg-type]
             process_request=self._process_request,
+            # Browsers send Origin; other clients (apps, scripts) do not, and are allowed (None).
+            origins=[*self.settings.allowed_origins, None] if self.settings.allowed_origins else None,  # type: ignore[list-item]
             max_size=self.settings.max_frame_bytes,
             ping_interval=self.settings.ping_interval_s,
             ping_timeout=self.settings.ping_interval_s,

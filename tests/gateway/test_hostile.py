@@ -1,0 +1,141 @@
+"""Hostile clients: chat floods, foreign origins, slow readers, more work than the queue allows."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import socket
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from protocol import Accepted, Chat, Done, Error, Params, Resume
+from server.client import Client, collect
+from server.gateway.server import GatewaySettings
+from server.store.keys import Keys
+from server.store.requests import Settings
+from tests.gateway.conftest import running_server
+
+
+async def test_chat_flood_is_rate_limited_with_retry_after(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    async with running_server(
+        redis, redis_url, keys, gateway=GatewaySettings(port=0, chat_rate_per_connection=5)
+    ) as server:
+        c = await Client.connect(server.url)
+        for i in range(30):
+            await c.send(Chat(id=f"f{i}", content="flood", params=Params(max_tokens=2)))
+        limited, accepted = [], []
+        while len(limited) + len(accepted) < 30:
+            f = await c.recv()
+            if isinstance(f, Error):
+                limited.append(f)
+            elif isinstance(f, Accepted):
+                accepted.append(f)
+        assert 10 <= len(accepted) < 30  # the burst (2 x rate) gets through, the rest is refused
+        assert all(e.code == "rate_limited" and e.retry_after_ms and e.retry_after_ms > 0 for e in limited)
+        await asyncio.sleep(0.5)  # tokens refill: the same connection works again
+        _, _, done, errors = await collect(c.chat("after the flood", params=Params(max_tokens=2)))
+        assert errors == [] and done is not None
+        await c.close()
+
+
+async def test_origin_allowlist(redis: aioredis.Redis, redis_url: str, keys: Keys) -> None:
+    gw = GatewaySettings(port=0, allowed_origins=("https://chat.example",))
+    async with running_server(redis, redis_url, keys, gateway=gw) as server:
+        with pytest.raises(InvalidStatus) as exc:
+            await connect(server.url, subprotocols=["tokenwire.v1.msgpack"], origin="https://evil.example")  # type: ignore[list-item,arg-type]
+        assert exc.value.response.status_code == 403
+        ok = await connect(server.url, subprotocols=["tokenwire.v1.msgpack"], origin="https://chat.example")  # type: ignore[list-item,arg-type]
+        await ok.close()
+        app = await Client.connect(server.url)  # no Origin header: a native app or a script
+        await app.close()
+
+
+async def _raw_client_that_never_reads(port: int, frames: list[dict[str, object]]) -> asyncio.StreamWriter:
+    """Handshake, send frames, then never read again: the kernel buffers fill and stay full."""
+    sock = socket.socket()
+    # A small receive buffer turns off autotuning: like a phone on a bad link, it takes almost nothing.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(
+        (
+            f"GET /v1/ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            "Sec-WebSocket-Protocol: tokenwire.v1.msgpack\r\n\r\n"
+        ).encode()
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101")
+    for frame in frames:
+        payload = msgpack.packb(frame)
+        mask = os.urandom(4)
+        assert len(payload) < 126
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        writer.write(bytes([0x82, 0x80 | len(payload)]) + mask + masked)
+    await writer.drain()
+    return writer
+
+
+async def test_slow_reader_is_closed_and_can_resume(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    gw = GatewaySettings(port=0, slow_reader_timeout_s=1.0)
+    async with running_server(redis, redis_url, keys, gateway=gw) as server:
+        server.engine.reply_len = 400
+        server.engine.step_s = 0.001
+        server.engine.pad = "x" * 65536  # 400 deltas of 64 KiB: far more than the socket buffers hold
+        token_holder = await Client.connect(server.url)  # only to own a session the slow client joins
+        assert token_holder.welcome is not None
+        token = token_holder.welcome.session_token
+        await token_holder.close()
+        hello = {"type": "hello", "v": 1, "session_token": token}
+        chat = {"type": "chat", "id": "big", "content": "send a lot", "params": {"max_tokens": 400}}
+        writer = await _raw_client_that_never_reads(server.port, [hello, chat])
+        closed = False
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if not server.gateway.connections:
+                closed = True
+                break
+        writer.transport.abort()
+        assert closed  # the gateway closed it rather than buffer the stream without bound
+        # The request ran on, and the client resumes it after reconnecting.
+        back = await Client.connect(server.url, session_token=token)
+        await back.send(Resume(id="big", offset=0))
+        text, _, done, _ = await collect(back.frames_for("big"))
+        assert done is not None and done.offset == 400 and len(text) > 400 * 65536
+        await back.close()
+
+
+async def test_overload_refuses_excess_and_completes_the_rest(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    async with running_server(redis, redis_url, keys, store=Settings(max_queued=3)) as server:
+        for w in server.workers:
+            w.max_running = 1  # one at a time, so the queue fills
+        server.engine.step_s = 0.02
+        clients = [await Client.connect(server.url) for _ in range(12)]
+        results = await asyncio.gather(
+            *(
+                collect(c.chat(f"user {i}", id=f"o{i}", params=Params(max_tokens=5)))
+                for i, c in enumerate(clients)
+            )
+        )
+        refused = [r for r in results if r[3]]
+        served = [r for r in results if not r[3]]
+        assert refused and served
+        for _, _, done, errors in refused:
+            assert done is None and [e.code for e in errors] == ["overloaded"]
+            assert errors[0].retry_after_ms is not None and errors[0].retry_after_ms > 0
+        assert all(isinstance(done, Done) and done.offset == 5 for _, _, done, _ in served)
+        for c in clients:
+            await c.close()

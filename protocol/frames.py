@@ -162,10 +162,11 @@ class Params:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    cache: bool | None = None  # False: never answer this request from the response cache
 
     def to_wire(self) -> Wire:
         d: Wire = {}
-        for k in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "cache"):
             v = getattr(self, k)
             if v is not None:
                 d[k] = v
@@ -294,6 +295,14 @@ def _parse_params(pv: object, id: str) -> Params:
             raise _bad(f"params.{key}: expected an integer in [{lo}, {hi}], got {v}", id)
         return int(v)
 
+    def flag(key: str) -> bool | None:
+        v = pv.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, bool):
+            raise _bad(f"params.{key}: expected a boolean, got {_type_name(v)}", id)
+        return v
+
     stop_v = pv.get("stop")
     stop: tuple[str, ...] = ()
     if stop_v is not None:
@@ -311,6 +320,7 @@ def _parse_params(pv: object, id: str) -> Params:
         top_k=integer("top_k", 0, 1000),
         seed=integer("seed", 0, 2**63 - 1),
         stop=stop,
+        cache=flag("cache"),
     )
 
 

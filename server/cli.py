@@ -30,6 +30,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             port=getattr(args, "port", 8765),
             auth_secret=getattr(args, "auth_secret", None) or os.environ.get("TOKENWIRE_AUTH_SECRET") or None,
             allowed_origins=tuple(args.allowed_origin) if getattr(args, "allowed_origin", None) else None,
+            response_cache=not getattr(args, "no_response_cache", False),
         ),
         store=Settings(
             lease_ttl_ms=int(args.lease_ttl * 1000),
@@ -156,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--auth-secret",
             help="require hello.token: an HS256 JWT signed with this secret (or $TOKENWIRE_AUTH_SECRET)",
+        )
+        p.add_argument(
+            "--no-response-cache",
+            action="store_true",
+            help="never answer repeated deterministic chats (temperature 0 or a fixed seed) from the cache",
         )
         p.add_argument(
             "--allowed-origin",

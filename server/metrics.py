@@ -21,6 +21,11 @@ REQUESTS = Counter(
 )
 RESUMES = Counter("tokenwire_resumes_total", "resume requests (resume frames and hello.resume points)")
 ERRORS = Counter("tokenwire_errors_total", "error frames sent, by code", ["code"])
+CACHE = Counter(
+    "tokenwire_response_cache_total",
+    "deterministic chats by response-cache result (hit rate = hit/all)",
+    ["result"],
+)
 STREAMS = Gauge("tokenwire_streams_attached", "request streams attached to connections on this gateway")
 
 # ---- worker

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import secrets
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ from protocol import (
     Error,
     ErrorCode,
     Hello,
+    Params,
     Ping,
     Pong,
     ProtocolError,
@@ -45,6 +47,23 @@ if TYPE_CHECKING:
     from server.gateway.server import Gateway
 
 log = structlog.get_logger(__name__)
+
+
+def response_cache_key(messages: list[dict[str, str]], params: dict[str, object], asked: Params) -> str:
+    """The response-cache key of a deterministic request, or "" if it is not one (or opted out).
+
+    Deterministic: greedy (temperature 0: the seed does not matter and is left out) or a seed the client
+    chose. The key covers the whole prompt (history included) and every sampling parameter.
+    """
+    if asked.cache is False:
+        return ""
+    greedy = params.get("temperature") == 0
+    if not greedy and asked.seed is None:
+        return ""
+    basis = {k: v for k, v in params.items() if k != "cache" and not (greedy and k == "seed")}
+    raw = json.dumps({"m": messages, "p": basis}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
 
 # Deltas waiting in a subscription are merged into one frame up to this many tokens: a client that fell
 # behind catches up in few frames instead of one per token.
@@ -199,6 +218,9 @@ class Connection:
             "messages": messages,
             "params": params,
         }
+        cache_key = (
+            response_cache_key(messages, params, chat.params) if self.gw.settings.response_cache else ""
+        )
         res = await self.gw.store.submit(
             self.owner,
             chat.id,
@@ -207,7 +229,10 @@ class Connection:
             session=self.session,
             user_message=user_message,
             prefer=await self.gw.router.prefer(self.session),
+            cache_key=cache_key,
         )
+        if cache_key and res.outcome in ("new", "cached"):
+            metrics.CACHE.labels("hit" if res.outcome == "cached" else "miss").inc()
         if res.outcome in ("conflict", "overloaded"):
             metrics.REQUESTS.labels(res.outcome).inc()
         if res.outcome == "conflict":

@@ -45,6 +45,7 @@ class GatewaySettings:
     max_streams_per_connection: int = 64  # requests one connection may follow at once
     allowed_origins: tuple[str, ...] | None = None  # browser Origins allowed; None: any
     slow_reader_timeout_s: float = 10.0  # a send blocked this long closes the connection (1008)
+    response_cache: bool = True  # answer repeated deterministic requests from the store's cache
 
 
 class Gateway:

@@ -26,6 +26,10 @@ class Keys:
     def session(self, session: str) -> str:
         return f"{self.prefix}sess:{session}"
 
+    def cache(self, key: str) -> str:
+        """A response-cache entry (the log of a deterministic request), by the hash of its inputs."""
+        return f"{self.prefix}cache:{key}"
+
     @property
     def queue(self) -> str:
         return f"{self.prefix}queue"

@@ -76,6 +76,7 @@ class Settings:
     max_queued: int = 0  # 0: unbounded
     history_max_messages: int = 64
     session_ttl_ms: int = 24 * 3600 * 1000
+    cache_ttl_ms: int = 10 * 60 * 1000  # response cache for deterministic requests
 
 
 @dataclass(slots=True)
@@ -124,6 +125,7 @@ class RequestStore:
         session: str = "",
         user_message: dict[str, str] | None = None,
         prefer: str = "",
+        cache_key: str = "",
     ) -> SubmitResult:
         """Create request ``(owner, id)`` and queue it, or report what exists under that id. Atomic.
 
@@ -131,6 +133,8 @@ class RequestStore:
         Same id, other fingerprint → ``conflict``. Queue full → ``overloaded`` and nothing is written.
         ``user_message`` is appended to the session history when the request ends normally. ``prefer``
         names the worker to queue it for (session affinity), used only while that worker's lease is live.
+        ``cache_key`` (deterministic requests): a recent identical request's log answers it at once
+        (``cached``, state done, no worker runs); otherwise its log is cached when it ends normally.
         """
         k = self.keys
         st = self.settings
@@ -141,6 +145,9 @@ class RequestStore:
                 k.queued_count,
                 k.worker_queue(prefer) if prefer else "",
                 k.workers,
+                k.log(owner, id),
+                k.cache(cache_key) if cache_key else "",
+                k.history(session or "-"),
             ],
             args=[
                 owner,
@@ -153,6 +160,9 @@ class RequestStore:
                 st.max_queued,
                 st.detach_timeout_ms,
                 prefer,
+                st.retention_ms,
+                st.history_max_messages,
+                st.session_ttl_ms,
             ],
         )
         outcome, epoch, state = _s(res[0]), int(res[1]), _s(res[2])
@@ -320,6 +330,7 @@ class RequestStore:
                         op.error_message,
                         st.history_max_messages,
                         st.session_ttl_ms,
+                        st.cache_ttl_ms,
                     ],
                     client=pipe,
                 )

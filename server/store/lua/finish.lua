@@ -2,10 +2,12 @@
 -- normal end of a session turn append the user message and the reply to the session history.
 -- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] session history list, KEYS[4] the worker's set
 -- ARGV: 1 worker id, 2 finish reason (stop|length|error), 3 prompt tokens, 4 reply text,
---       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms
+--       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms,
+--       10 response-cache ttl_ms
+-- A request that carries a response-cache key and ends normally leaves a copy of its log in the cache.
 -- Returns 1, or 0 when the request is not running for this worker (then nothing changes).
 local req = KEYS[1]
-local f = redis.call('HMGET', req, 'state', 'worker', 'completion_tokens', 'user_msg')
+local f = redis.call('HMGET', req, 'state', 'worker', 'completion_tokens', 'user_msg', 'cache_key')
 if f[1] ~= 'running' or f[2] ~= ARGV[1] then
   return 0
 end
@@ -26,6 +28,17 @@ redis.call('XADD', KEYS[2], total .. '-2', unpack(entry))
 redis.call('PEXPIRE', req, ARGV[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('SREM', KEYS[4], req)
+if state == 'done' and f[5] and f[5] ~= '' then
+  local entries = {}
+  for _, e in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
+    local kv = {}
+    for i = 1, #e[2], 2 do kv[e[2][i]] = e[2][i + 1] end
+    if kv['n'] then
+      table.insert(entries, {tonumber(kv['o']), tonumber(kv['n']), kv['t'], kv['k'] or ''})
+    end
+  end
+  redis.call('SET', f[5], cjson.encode({e = entries, d = reason, pt = tonumber(ARGV[3])}), 'PX', ARGV[10])
+end
 if state == 'done' and f[4] and f[4] ~= '' then
   local reply = cjson.encode({role = 'assistant', content = ARGV[4]})
   redis.call('RPUSH', KEYS[3], f[4], reply)

@@ -1,10 +1,14 @@
 -- Create a request, or attach to the one with the same id (idempotent retry), atomically.
 -- KEYS[1] request hash, KEYS[2] shared work queue stream, KEYS[3] queued-requests counter,
--- KEYS[4] the preferred worker's own queue (session affinity; "" for none), KEYS[5] workers lease zset
+-- KEYS[4] the preferred worker's own queue (session affinity; "" for none), KEYS[5] workers lease zset,
+-- KEYS[6] token log stream, KEYS[7] response-cache entry ("" when the request is not cacheable),
+-- KEYS[8] session history list
 -- ARGV: 1 owner, 2 id, 3 fingerprint, 4 payload (JSON), 5 session, 6 user message (JSON or ""),
 --       7 ttl_ms (a bound on how long an unfinished request may linger), 8 max_queued (0 = unbounded),
---       9 detach_timeout_ms, 10 preferred worker id ("" for none)
+--       9 detach_timeout_ms, 10 preferred worker id ("" for none), 11 retention_ms,
+--       12 history max messages, 13 session ttl_ms
 -- Returns {"attach", epoch, state} | {"conflict", 0, state} | {"overloaded", queued, ""} | {"new", 1, "queued"}
+--       | {"cached", 1, "done"} (answered from the response cache: the log is written, no worker runs)
 local req = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -17,6 +21,35 @@ if existing[1] then
   end
   return {'conflict', 0, existing[3]}
 end
+-- A deterministic request seen recently: write its cached log and finish it here. Checked before the
+-- queue limit, so cached answers are still served under overload.
+if KEYS[7] ~= '' then
+  local cached = redis.call('GET', KEYS[7])
+  if cached then
+    local c = cjson.decode(cached)
+    local total = 0
+    local reply = {}
+    for _, e in ipairs(c.e) do
+      redis.call('XADD', KEYS[6], e[1] .. '-1', 'o', e[1], 'n', e[2], 't', e[3], 'k', e[4], 'w', 'cache')
+      total = e[1] + e[2]
+      table.insert(reply, e[3])
+    end
+    redis.call('XADD', KEYS[6], total .. '-2', 'd', c.d, 'o', total, 'pt', c.pt)
+    redis.call('HSET', req,
+      'owner', ARGV[1], 'id', ARGV[2], 'fp', ARGV[3], 'payload', ARGV[4],
+      'epoch', 1, 'state', 'done', 'finish_reason', c.d, 'created_ms', now, 'updated_ms', now,
+      'finished_ms', now, 'session', ARGV[5], 'user_msg', ARGV[6], 'completion_tokens', total,
+      'prompt_tokens', c.pt, 'cached', 1)
+    redis.call('PEXPIRE', req, ARGV[11])
+    redis.call('PEXPIRE', KEYS[6], ARGV[11])
+    if ARGV[6] ~= '' then
+      redis.call('RPUSH', KEYS[8], ARGV[6], cjson.encode({role = 'assistant', content = table.concat(reply)}))
+      redis.call('LTRIM', KEYS[8], -tonumber(ARGV[12]), -1)
+      redis.call('PEXPIRE', KEYS[8], ARGV[13])
+    end
+    return {'cached', 1, 'done'}
+  end
+end
 local max_queued = tonumber(ARGV[8])
 local queued = tonumber(redis.call('GET', KEYS[3]) or '0')
 if max_queued > 0 and queued >= max_queued then
@@ -26,7 +59,7 @@ redis.call('HSET', req,
   'owner', ARGV[1], 'id', ARGV[2], 'fp', ARGV[3], 'payload', ARGV[4],
   'epoch', 1, 'state', 'queued', 'created_ms', now, 'updated_ms', now,
   'session', ARGV[5], 'user_msg', ARGV[6], 'completion_tokens', 0, 'prompt_tokens', 0,
-  'attached_until', now + tonumber(ARGV[9]))
+  'attached_until', now + tonumber(ARGV[9]), 'cache_key', KEYS[7])
 redis.call('PEXPIRE', req, ARGV[7])
 redis.call('INCR', KEYS[3])
 -- The preferred worker's queue only while its lease is live: reap.lua removes the lease and drains that

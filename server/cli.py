@@ -31,6 +31,10 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             auth_secret=getattr(args, "auth_secret", None) or os.environ.get("TOKENWIRE_AUTH_SECRET") or None,
             allowed_origins=tuple(args.allowed_origin) if getattr(args, "allowed_origin", None) else None,
             response_cache=not getattr(args, "no_response_cache", False),
+            degrade_queue_depth=getattr(args, "degrade_queue_depth", 0),
+            degrade_ttft_s=getattr(args, "degrade_ttft", 0.0),
+            degrade_max_tokens=getattr(args, "degrade_max_tokens", 128),
+            degrade_context_messages=getattr(args, "degrade_context_messages", 8),
         ),
         store=Settings(
             lease_ttl_ms=int(args.lease_ttl * 1000),
@@ -157,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--auth-secret",
             help="require hello.token: an HS256 JWT signed with this secret (or $TOKENWIRE_AUTH_SECRET)",
+        )
+        d = p.add_argument_group("degradation under load (0 = off)")
+        d.add_argument("--degrade-queue-depth", type=int, default=0, help="degrade new chats past this queue")
+        d.add_argument("--degrade-ttft", type=float, default=0.0, help="... or past this TTFT (seconds)")
+        d.add_argument("--degrade-max-tokens", type=int, default=128, help="max_tokens cap when degraded")
+        d.add_argument(
+            "--degrade-context-messages", type=int, default=8, help="latest messages kept when degraded"
         )
         p.add_argument(
             "--no-response-cache",

@@ -26,6 +26,11 @@ CACHE = Counter(
     "deterministic chats by response-cache result (hit rate = hit/all)",
     ["result"],
 )
+DEGRADED = Counter(
+    "tokenwire_degraded_total",
+    "chats made cheaper under load, by action (clamp_max_tokens, truncate_context)",
+    ["action"],
+)
 STREAMS = Gauge("tokenwire_streams_attached", "request streams attached to connections on this gateway")
 
 # ---- worker

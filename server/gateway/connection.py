@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import secrets
+import time
 from typing import TYPE_CHECKING
 
 import structlog
@@ -44,9 +45,25 @@ from server.gateway.limits import TokenBucket, limited, user_rate
 from server.store.logs import LogEntry
 
 if TYPE_CHECKING:
-    from server.gateway.server import Gateway
+    from server.gateway.server import Gateway, GatewaySettings
 
 log = structlog.get_logger(__name__)
+
+
+def degrade(
+    messages: list[dict[str, str]], params: dict[str, object], st: GatewaySettings
+) -> tuple[list[dict[str, str]], dict[str, object]]:
+    """A cheaper version of a chat for an overloaded server: fewer tokens out, less context in."""
+    max_tokens = params.get("max_tokens")
+    if isinstance(max_tokens, int) and max_tokens > st.degrade_max_tokens:
+        params = {**params, "max_tokens": st.degrade_max_tokens}
+        metrics.DEGRADED.labels("clamp_max_tokens").inc()
+    system = [m for m in messages[:1] if m.get("role") == "system"]
+    rest = messages[len(system) :]
+    if len(rest) > st.degrade_context_messages:
+        messages = system + rest[-st.degrade_context_messages :]
+        metrics.DEGRADED.labels("truncate_context").inc()
+    return messages, params
 
 
 def response_cache_key(messages: list[dict[str, str]], params: dict[str, object], asked: Params) -> str:
@@ -211,6 +228,8 @@ class Connection:
             messages = [*await self.gw.sessions.history(self.session), user_message]
         else:
             messages = [m.to_wire() for m in chat.messages or ()]
+        if await self.gw.degraded():
+            messages, params = degrade(messages, params, settings)
         payload = {
             "owner": self.owner,
             "id": chat.id,
@@ -253,7 +272,7 @@ class Connection:
         metrics.REQUESTS.labels(res.outcome).inc()
         self.log.info("request.accepted", request_id=chat.id, outcome=res.outcome, state=res.state)
         self.proto.send(Accepted(id=chat.id, epoch=res.epoch, state=res.state))
-        self._attach(chat.id, 0)
+        self._attach(chat.id, 0, new=res.outcome == "new")
 
     async def _resume(self, id: str, offset: int, epoch: int | None) -> None:
         metrics.RESUMES.inc()
@@ -285,13 +304,14 @@ class Connection:
             raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=frame.id)
         self.log.info("request.cancel", request_id=frame.id, state_before=before)
 
-    def _attach(self, id: str, offset: int) -> None:
+    def _attach(self, id: str, offset: int, *, new: bool = False) -> None:
         old = self._attached.pop(id, None)
         if old is not None:
             old.cancel()
-        self._attached[id] = asyncio.create_task(self._stream(id, offset), name=f"stream-{id}")
+        started = time.monotonic() if new else None
+        self._attached[id] = asyncio.create_task(self._stream(id, offset, started), name=f"stream-{id}")
 
-    async def _stream(self, id: str, offset: int) -> None:
+    async def _stream(self, id: str, offset: int, started: float | None = None) -> None:
         """Forward the log of request ``id`` from ``offset``: deltas, then done (or an error)."""
         key = self.gw.store.keys.log(self.owner, id)
         req_key = self.gw.store.keys.request(self.owner, id)
@@ -320,6 +340,9 @@ class Connection:
                     )
                 deltas = [e for e in batch if e.finish is None]
                 if deltas:
+                    if started is not None:
+                        self.gw.observe_ttft(time.monotonic() - started)  # feeds degradation
+                        started = None
                     n = sum(e.n for e in deltas)
                     await self._send(Delta(id=id, offset=expected, n=n, text="".join(e.text for e in deltas)))
                     expected += n

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -46,6 +47,12 @@ class GatewaySettings:
     allowed_origins: tuple[str, ...] | None = None  # browser Origins allowed; None: any
     slow_reader_timeout_s: float = 10.0  # a send blocked this long closes the connection (1008)
     response_cache: bool = True  # answer repeated deterministic requests from the store's cache
+    # Degradation under load: past either threshold (0 = off), new chats get at most degrade_max_tokens
+    # and only the system prompt plus the latest degrade_context_messages messages.
+    degrade_queue_depth: int = 0  # requests waiting in the store's queue
+    degrade_ttft_s: float = 0.0  # recent time to first token seen by this gateway (moving average)
+    degrade_max_tokens: int = 128
+    degrade_context_messages: int = 8
 
 
 class Gateway:
@@ -68,6 +75,8 @@ class Gateway:
         self.ready = ready
         self.connections: set[Connection] = set()
         self._attached: dict[str, int] = {}  # request key -> streams of this process attached to it
+        self.ttft_ewma_s = 0.0  # time from accepting a new chat to its first delta, smoothed
+        self._queued = (0.0, 0)  # (monotonic time read, requests queued) — read at most once a second
         self._server: Server | None = None
         self._touch_task: asyncio.Task[None] | None = None
 
@@ -95,6 +104,22 @@ class Gateway:
                 raise
             except Exception as exc:
                 log.warning("gateway.touch_failed", error=str(exc))
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft_ewma_s = seconds if not self.ttft_ewma_s else 0.8 * self.ttft_ewma_s + 0.2 * seconds
+
+    async def degraded(self) -> bool:
+        """Whether new chats should be degraded now (queue depth or TTFT past its threshold)."""
+        st = self.settings
+        if st.degrade_ttft_s and self.ttft_ewma_s > st.degrade_ttft_s:
+            return True
+        if not st.degrade_queue_depth:
+            return False
+        at, queued = self._queued
+        if time.monotonic() - at > 1.0:
+            queued = await self.store.queued()
+            self._queued = (time.monotonic(), queued)
+        return queued >= st.degrade_queue_depth
 
     def limits(self) -> dict[str, int]:
         st = self.settings

@@ -139,3 +139,22 @@ async def test_overload_refuses_excess_and_completes_the_rest(
         assert all(isinstance(done, Done) and done.offset == 5 for _, _, done, _ in served)
         for c in clients:
             await c.close()
+
+
+async def test_degradation_clamps_and_truncates_past_the_queue_threshold(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    gw = GatewaySettings(port=0, degrade_queue_depth=10, degrade_max_tokens=4, degrade_context_messages=2)
+    async with running_server(redis, redis_url, keys, gateway=gw) as server:
+        history = [{"role": "system", "content": "be brief"}] + [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(9)
+        ]
+        c = await Client.connect(server.url)
+        text, _, done, _ = await collect(c.chat(messages=history, params=Params(max_tokens=10, seed=1)))
+        assert done is not None and done.offset == 10 and text.startswith("re[10]")  # calm: untouched
+        await redis.set(keys.queued_count, 50)  # a deep queue
+        await asyncio.sleep(1.1)  # the gateway reads the depth at most once a second
+        text, _, done, _ = await collect(c.chat(messages=history, params=Params(max_tokens=10, seed=1)))
+        assert done is not None and done.offset == 4 and done.finish_reason == "length"
+        assert text.startswith("re[3]")  # the system prompt and the latest two messages
+        await c.close()

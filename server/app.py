@@ -69,7 +69,11 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
             raise SystemExit("tokenwire: --redis-url is required here (gateways and workers share one Redis)")
         valkey = EmbeddedValkey(cfg.data_dir)
         url = await asyncio.get_running_loop().run_in_executor(None, valkey.start)
-    r = aioredis.from_url(url)
+    # A blocking pool: a burst of thousands of handshakes waits for a connection instead of failing with
+    # "Too many connections" (redis-py's default pool raises past 100).
+    r = aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30)
+    )
     reader = aioredis.from_url(url)
     try:
         await r.ping()

@@ -1,0 +1,68 @@
+"""``tokenwire load URL``: run, show, write. Exit status 0 when every issued request succeeded and no text
+was damaged, 1 otherwise, 2 when the server could not be reached at all."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from server.load.options import LoadConfig, add_arguments, config_from_args
+
+
+async def run(cfg: LoadConfig, *, progress: bool) -> dict[str, Any]:
+    """Run ``cfg``, print the table, write ``--json``/``--plot``; returns the report."""
+    from server.load.report import build_report, print_table, write_json, write_plot
+    from server.load.runner import run_load
+
+    live = None
+    if progress:
+        from server.load.live import LiveView
+
+        live = LiveView()
+    try:
+        result = await run_load(cfg, on_state=live.attach if live is not None else None)
+    finally:
+        if live is not None:
+            await live.close()
+    report = build_report(result)
+    print_table(report)
+    if cfg.json_path is not None:
+        write_json(report, cfg.json_path)
+    if cfg.plot_path is not None:
+        write_plot(result, report, cfg.plot_path)
+    return report
+
+
+def exit_status(report: dict[str, Any]) -> int:
+    rq = report["requests"]
+    idle = report.get("idle")
+    if (rq["issued"] and rq["ok"] == 0) or (idle and idle["target"] and not idle["connected"]):
+        return 2
+    if rq["failed"] or report["drops"]["integrity_violations"]:
+        return 1
+    if idle and (idle["connected"] < idle["target"] or idle["lost"] or idle["closed_by_server"]):
+        return 1
+    return 0
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"tokenwire load: {exc}", file=sys.stderr)
+        return 2
+    progress = not args.no_progress and sys.stderr.isatty()
+    report = asyncio.run(run(cfg, progress=progress))
+    return exit_status(report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tokenwire load", description="WebSocket load test for tokenwire")
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

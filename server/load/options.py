@@ -1,0 +1,259 @@
+"""What one load run does: the configuration, length distributions, and the ``tokenwire load`` flags.
+
+Kept free of asyncio, rich and matplotlib: ``server.cli`` imports it to build its parser on every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_DURATION_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    """An integer length distribution: ``N`` (fixed), ``A-B`` (uniform, inclusive) or ``exp:MEAN``
+    (exponential with that mean, at least 1). Draws are clamped to ``[1, cap]``."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Dist:
+        t = text.strip().lower()
+        try:
+            if t.startswith("exp:"):
+                mean = float(t[4:])
+                if not mean >= 1 or not math.isfinite(mean):
+                    raise ValueError
+                return cls("exp", mean)
+            if "-" in t:
+                lo, hi = (int(x) for x in t.split("-", 1))
+                if not 1 <= lo <= hi:
+                    raise ValueError
+                return cls("uniform", lo, hi)
+            n = int(t)
+            if n < 1:
+                raise ValueError
+            return cls("fixed", n)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected N, A-B (uniform) or exp:MEAN, with lengths of at least 1"
+            ) from None
+
+    def draw(self, rng: random.Random, cap: int) -> int:
+        if self.kind == "fixed":
+            v = int(self.a)
+        elif self.kind == "uniform":
+            v = rng.randint(int(self.a), int(self.b))
+        else:
+            v = round(rng.expovariate(1.0 / self.a))
+        return max(1, min(cap, v))
+
+    def mean(self) -> float:
+        return (self.a + self.b) / 2 if self.kind == "uniform" else self.a
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return str(int(self.a))
+        if self.kind == "uniform":
+            return f"{int(self.a)}-{int(self.b)}"
+        return f"exp:{self.a:g}"
+
+
+SUBPROTOCOL_MODES = ("msgpack", "json", "both")
+VERIFY_MODES = ("drops", "all", "none")
+
+
+@dataclass(slots=True)
+class LoadConfig:
+    url: str
+    users: int = 8
+    rate: float | None = None  # conversation arrivals per second (open loop); None: closed loop
+    turns: int = 1
+    requests: int | None = None
+    duration: float | None = None
+    prompt_words: Dist = Dist("uniform", 16, 64)
+    max_tokens: Dist = Dist("uniform", 32, 128)
+    temperature: float = 0.8
+    cache: bool = False  # allow the server's response cache (seeded requests are otherwise cacheable)
+    think: float = 0.0  # mean think time between turns, seconds (exponential); 0: none
+    drop_rate: float = 0.0
+    idle: int = 0
+    idle_only: bool = False
+    ping_interval: float = 5.0
+    subprotocol: str = "msgpack"  # msgpack | json | both (users and idle connections alternate)
+    verify: str = "drops"  # which requests get a replay-from-0 check after done
+    seed: int = 0
+    request_timeout: float = 300.0
+    connect_concurrency: int = 64
+    token: str | None = None
+    server_pid: int | None = None
+    sse_model: str = "SmolLM2-135M-Instruct"
+    json_path: Path | None = None
+    plot_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.requests is None and self.duration is None:
+            self.duration = DEFAULT_DURATION_S
+        if self.idle_only and self.idle < 1:
+            raise ValueError("--idle-only needs --idle N with N >= 1")
+        if self.users < 1 or self.turns < 1:
+            raise ValueError("--users and --turns must be at least 1")
+        if not 0.0 <= self.drop_rate <= 1.0:
+            raise ValueError("--drop-rate must be in [0, 1]")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError("--rate must be positive")
+        if self.subprotocol not in SUBPROTOCOL_MODES:
+            raise ValueError(f"--subprotocol must be one of {', '.join(SUBPROTOCOL_MODES)}")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"--verify must be one of {', '.join(VERIFY_MODES)}")
+
+    def describe(self) -> dict[str, object]:
+        """The configuration as plain JSON values (for the report)."""
+        return {
+            "url": self.url,
+            "mode": "idle-only" if self.idle_only else ("open" if self.rate else "closed"),
+            "users": self.users,
+            "rate": self.rate,
+            "turns": self.turns,
+            "requests": self.requests,
+            "duration_s": self.duration,
+            "prompt_words": str(self.prompt_words),
+            "max_tokens": str(self.max_tokens),
+            "temperature": self.temperature,
+            "cache": self.cache,
+            "think_s": self.think,
+            "drop_rate": self.drop_rate,
+            "idle": self.idle,
+            "ping_interval_s": self.ping_interval,
+            "subprotocol": self.subprotocol,
+            "verify": self.verify,
+            "seed": self.seed,
+        }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``tokenwire load``."""
+    p.add_argument("url", help="the server's WebSocket URL, e.g. ws://127.0.0.1:8765/v1/ws")
+    w = p.add_argument_group("workload")
+    w.add_argument(
+        "--users",
+        type=int,
+        default=8,
+        help="concurrent users (closed loop), or the cap on concurrent conversations (open loop); default 8",
+    )
+    w.add_argument(
+        "--rate",
+        type=float,
+        help="open loop: Poisson arrivals of new conversations per second "
+        "(default: closed loop, each user starts its next conversation when one ends)",
+    )
+    w.add_argument("--turns", type=int, default=1, help="turns per conversation (one session each)")
+    w.add_argument("--think", type=float, default=0.0, help="mean think time between turns, s (default 0)")
+    w.add_argument(
+        "--prompt-words",
+        type=Dist.parse,
+        default=Dist("uniform", 16, 64),
+        help="words per user turn: N, A-B or exp:MEAN (default 16-64)",
+    )
+    w.add_argument(
+        "--max-tokens",
+        type=Dist.parse,
+        default=Dist("uniform", 32, 128),
+        help="params.max_tokens per request: N, A-B or exp:MEAN (default 32-128)",
+    )
+    w.add_argument("--temperature", type=float, default=0.8)
+    w.add_argument(
+        "--cache",
+        action="store_true",
+        help="let the server answer from its response cache (default: params.cache=false, since the "
+        "seeded requests of a repeated run would otherwise be served from the cache, not generated)",
+    )
+    w.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths, drops and params.seed")
+    w.add_argument(
+        "--subprotocol",
+        choices=SUBPROTOCOL_MODES,
+        default="msgpack",
+        help="both: users and idle connections alternate msgpack and JSON",
+    )
+    w.add_argument("--token", help="JWT for servers with auth on")
+    b = p.add_argument_group("bounds (default: --duration 30)")
+    b.add_argument("--duration", type=float, help="issue no new request after this many seconds")
+    b.add_argument("--requests", type=int, help="issue this many requests in all")
+    b.add_argument("--request-timeout", type=float, default=300.0, help="per request, s (default 300)")
+    r = p.add_argument_group("resilience")
+    r.add_argument(
+        "--drop-rate",
+        type=float,
+        default=0.0,
+        help="share of requests whose connection is "
+        "killed at a random token mid-stream, then reconnected and resumed (default 0)",
+    )
+    r.add_argument(
+        "--verify",
+        choices=VERIFY_MODES,
+        default="drops",
+        help="replay which finished requests "
+        "from offset 0 and compare texts (default: those that were dropped)",
+    )
+    i = p.add_argument_group("idle connections")
+    i.add_argument("--idle", type=int, default=0, help="hold N extra connections that only send pings")
+    i.add_argument("--idle-only", action="store_true", help="no chat traffic: only the idle connections")
+    i.add_argument("--ping-interval", type=float, default=5.0, help="seconds between pings (default 5)")
+    i.add_argument(
+        "--connect-concurrency", type=int, default=64, help="handshakes in flight at once (default 64)"
+    )
+    i.add_argument(
+        "--server-pid", type=int, help="a local server's pid: report its memory per idle connection"
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--json", dest="json_path", type=Path, metavar="FILE", help="write the report as JSON")
+    o.add_argument(
+        "--plot",
+        dest="plot_path",
+        type=Path,
+        metavar="FILE",
+        help="write latency CDFs and tokens/s over time as a PNG",
+    )
+    o.add_argument(
+        "--sse-model",
+        default="SmolLM2-135M-Instruct",
+        help="the model name written in the SSE comparison chunks",
+    )
+    o.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    return LoadConfig(
+        url=args.url,
+        users=args.users,
+        rate=args.rate,
+        turns=args.turns,
+        requests=args.requests,
+        duration=args.duration,
+        prompt_words=args.prompt_words,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        cache=args.cache,
+        think=args.think,
+        drop_rate=args.drop_rate,
+        idle=args.idle,
+        idle_only=args.idle_only,
+        ping_interval=args.ping_interval,
+        subprotocol=args.subprotocol,
+        verify=args.verify,
+        seed=args.seed,
+        request_timeout=args.request_timeout,
+        connect_concurrency=args.connect_concurrency,
+        token=args.token,
+        server_pid=args.server_pid,
+        sse_model=args.sse_model,
+        json_path=args.json_path,
+        plot_path=args.plot_path,
+    )

@@ -1,0 +1,149 @@
+"""``tokenwire load`` against the real ``tokenwire serve`` (tiny model) for a few seconds.
+
+Small numbers and no timed assertions (the machine is shared): the report must be consistent (counts add
+up, nothing failed, every text intact across planned connection kills, pings answered, byte figures
+present and smaller than the SSE equivalent) and the files it promises must exist.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.load.cli import run
+from server.load.options import Dist, LoadConfig
+from tests.e2e.serve_process import ServeProcess
+
+
+@pytest.fixture(scope="module")
+def served(
+    tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServeProcess]:
+    data = tmp_path_factory.mktemp("load-serve")
+    p = ServeProcess(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--redis-url",
+            redis_url,
+            "--key-prefix",
+            f"twtest:load:{data.name}:",
+        ],
+        data,
+    )
+    p.start()
+    try:
+        yield p
+    finally:
+        assert p.stop() == 0, p.stderr_path.read_text()[-2000:]
+
+
+def _check_counts(rep: dict[str, Any]) -> None:
+    rq, tk, dr = rep["requests"], rep["tokens"], rep["drops"]
+    assert rq["issued"] == rq["ok"] + rq["failed"]
+    assert sum(rq["failed_by_code"].values()) == rq["failed"]
+    assert sum(rq["finish_reasons"].values()) == rq["issued"]
+    assert rq["failed"] == 0, rq["failed_by_code"]
+    assert dr["integrity_violations"] == 0, dr["violations"]
+    assert tk["completion"] > 0 and tk["completion"] == tk["streamed_live"]
+    assert rep["ttft_ms"]["n"] == rq["ok"]
+    assert dr["resumes"] >= dr["kills"]  # each kill was followed by a reconnect that resumed
+
+
+def test_load_cli_closed_loop_with_drops_idle_and_both_subprotocols(
+    served: ServeProcess, tmp_path: Path
+) -> None:
+    assert served.proc is not None
+    out_json, out_png = tmp_path / "load.json", tmp_path / "load.png"
+    cmd = [
+        sys.executable, "-m", "server.cli", "load", served.url,
+        "--users", "4", "--turns", "2", "--requests", "16", "--duration", "60",
+        "--max-tokens", "12-40", "--prompt-words", "8-24",
+        "--drop-rate", "0.5", "--idle", "20", "--ping-interval", "0.3",
+        "--subprotocol", "both", "--server-pid", str(served.proc.pid),
+        "--json", str(out_json), "--plot", str(out_png), "--no-progress",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "integrity violations" in done.stdout  # the table was printed
+    rep = json.loads(out_json.read_text())
+    _check_counts(rep)
+    rq, dr = rep["requests"], rep["drops"]
+    assert rq["issued"] == rq["ok"] == 16
+    assert dr["planned"] > 0 and dr["kills"] > 0 and dr["resumes"] > 0
+    assert rep["itl_ms"]["n"] > 0
+    assert dr["replays_verified"] >= 1  # the killed requests were replayed from offset 0 and compared
+    assert rep["servers"]
+
+    wire = rep["wire"]
+    assert set(wire["measured"]) == {"msgpack", "json"}  # both subprotocols carried live streams
+    for name in ("msgpack", "json"):
+        assert wire["measured"][name]["tokens"] > 0
+        assert 0 < wire["bytes_per_token"][name] < wire["bytes_per_token"]["sse"]
+    assert 0 < wire["ratio_to_sse"]["msgpack"] < wire["ratio_to_sse"]["json"] < 1
+    assert wire["computed"]["sse"]["tokens"] == rep["tokens"]["streamed_live"]
+
+    idle = rep["idle"]
+    assert idle["target"] == idle["connected"] == 20
+    assert idle["pings"] > 0 and idle["pongs"] == idle["pings"] and idle["lost"] == 0
+    assert idle["rtt_ms"]["n"] + idle["rtt_during_ramp_ms"]["n"] == idle["pongs"]
+    assert idle["server_rss_before_kib"] and idle["server_rss_after_kib"]
+
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_load_open_loop_verifies_every_text(served: ServeProcess, tmp_path: Path) -> None:
+    cfg = LoadConfig(
+        url=served.url,
+        users=6,
+        rate=8.0,
+        requests=12,
+        duration=30,
+        max_tokens=Dist("uniform", 8, 24),
+        prompt_words=Dist("exp", 12),
+        subprotocol="json",
+        verify="all",
+        json_path=tmp_path / "open.json",
+    )
+    rep = await run(cfg, progress=False)
+    assert json.loads((tmp_path / "open.json").read_text()) == rep
+    _check_counts(rep)
+    assert rep["config"]["mode"] == "open"
+    assert rep["requests"]["ok"] == rep["requests"]["issued"] == 12
+    assert rep["drops"]["replays_verified"] == 12 and rep["drops"]["kills"] == 0
+    assert rep["arrivals"]["n"] >= 12
+    assert set(rep["wire"]["measured"]) == {"json"}
+
+
+async def test_load_idle_only_holds_and_pings(served: ServeProcess) -> None:
+    cfg = LoadConfig(url=served.url, idle=60, idle_only=True, duration=1.5, ping_interval=0.3)
+    rep = await run(cfg, progress=False)
+    assert rep["requests"]["issued"] == 0
+    idle = rep["idle"]
+    assert idle["connected"] == 60 and not idle["connect_failed"] and idle["closed_by_server"] == 0
+    assert idle["rtt_ms"]["n"] > 0 and idle["rtt_ms"]["p99"] is not None
+    assert idle["pongs"] == idle["pings"]
+
+
+def test_requests_are_seeded_unique_and_skip_the_response_cache() -> None:
+    from server.load.conversation import Conversation
+    from server.load.runner import RunState
+
+    def chat(cfg: LoadConfig, user: int, conv: int, turn: int) -> Any:
+        return Conversation(RunState(cfg), user, conv, "tokenwire.v1.msgpack")._new_request(turn)
+
+    cfg = LoadConfig(url="ws://unused/v1/ws", requests=1, drop_rate=0.5)
+    (rec_a, live_a), (rec_b, live_b) = chat(cfg, 1, 2, 0), chat(cfg, 1, 2, 0)
+    assert live_a.chat.content == live_b.chat.content and live_a.chat.params == live_b.chat.params
+    assert rec_a.kill_at == rec_b.kill_at
+    assert live_a.chat.id != live_b.chat.id  # a new run tag each run: ids never collide with old logs
+    assert live_a.chat.params.cache is False and live_a.chat.params.seed is not None
+    assert chat(cfg, 1, 3, 0)[1].chat.params.seed != live_a.chat.params.seed
+    cached = LoadConfig(url="ws://unused/v1/ws", requests=1, cache=True)
+    assert chat(cached, 1, 2, 0)[1].chat.params.cache is None

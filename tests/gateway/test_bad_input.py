@@ -10,7 +10,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from protocol import Error, Hello, Ping, Pong
+from protocol import Error, Hello, Params, Ping, Pong
 from server.client import Client, collect
 from tests.gateway.conftest import Running
 
@@ -41,6 +41,25 @@ async def test_invalid_vectors_get_their_error_and_the_connection_still_chats(
     text, _, done, errors = await collect(c.chat("still here?"))
     assert errors == [] and done is not None and text.startswith("re[1] still here?")
     await c.close()
+
+
+@pytest.mark.parametrize("v", VECTORS, ids=[f"{v['subprotocol'][13:]}-{v['name']}" for v in VECTORS])
+async def test_each_bad_input_leaves_the_server_serving(server: Running, v: dict[str, str]) -> None:
+    """The named table: each bad input gets its documented error (or close code), and afterwards a
+    normal chat on a fresh connection works."""
+    c = await Client.connect(server.url, subprotocol=v["subprotocol"])
+    await c.send_raw(_payload(v), encode=False)
+    err = await c.recv()
+    assert isinstance(err, Error) and err.code == v["expected_code"], (v["name"], err)
+    if v["expected_code"] == "unsupported_version":
+        with pytest.raises(ConnectionClosed) as exc:
+            await c.recv()
+        assert exc.value.rcvd is not None and exc.value.rcvd.code == 1002
+    await c.ws.close()
+    fresh = await Client.connect(server.url, subprotocol=v["subprotocol"])
+    _, _, done, errors = await collect(fresh.chat("fine?", params=Params(max_tokens=2)))
+    assert errors == [] and done is not None and done.offset == 2
+    await fresh.close()
 
 
 async def test_unsupported_version_closes_1002(server: Running) -> None:

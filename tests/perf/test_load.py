@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.load.cli import run
 from server.load.options import Dist, LoadConfig
@@ -44,6 +46,13 @@ def served(
         assert p.stop() == 0, p.stderr_path.read_text()[-2000:]
 
 
+def _tokens_generated(ws_url: str) -> float:
+    http = ws_url.replace("ws://", "http://").replace("/v1/ws", "/metrics")
+    with urllib.request.urlopen(http, timeout=10) as r:
+        families = text_string_to_metric_families(r.read().decode())
+    return sum(s.value for f in families for s in f.samples if s.name == "tokenwire_tokens_generated_total")
+
+
 def _check_counts(rep: dict[str, Any]) -> None:
     rq, tk, dr = rep["requests"], rep["tokens"], rep["drops"]
     assert rq["issued"] == rq["ok"] + rq["failed"]
@@ -69,13 +78,17 @@ def test_load_cli_closed_loop_with_drops_idle_and_both_subprotocols(
         "--subprotocol", "both", "--server-pid", str(served.proc.pid),
         "--json", str(out_json), "--plot", str(out_png), "--no-progress",
     ]  # fmt: skip
+    before = _tokens_generated(served.url)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    generated = _tokens_generated(served.url) - before
     assert "integrity violations" in done.stdout  # the table was printed
     rep = json.loads(out_json.read_text())
     _check_counts(rep)
     rq, dr = rep["requests"], rep["drops"]
     assert rq["issued"] == rq["ok"] == 16
+    # The server's own count of tokens it generated (Prometheus) equals what the clients received.
+    assert generated == rep["tokens"]["completion"]
     assert dr["planned"] > 0 and dr["kills"] > 0 and dr["resumes"] > 0
     assert rep["itl_ms"]["n"] > 0
     assert dr["replays_verified"] >= 1  # the killed requests were replayed from offset 0 and compared

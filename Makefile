@@ -8,7 +8,7 @@ STAMP := $(VENV)/.tokenwire-installed
 HOST ?= 127.0.0.1
 PORT ?= 8765
 
-.PHONY: run test lint typecheck pytest install clean
+.PHONY: run test lint typecheck pytest install js-deps clean
 
 install: $(STAMP)
 
@@ -33,7 +33,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy protocol server
 
-pytest: $(STAMP)
+# The JS client's tests (run by pytest, tests/e2e/test_js_client.py) need its npm packages and a
+# Chromium for the browser test: Debian's, driven by playwright-core (no browser download).
+JS_STAMP := client_js/node_modules/.tokenwire-stamp
+
+js-deps: $(JS_STAMP)
+
+$(JS_STAMP): client_js/package-lock.json client_js/package.json
+	cd client_js && npm ci --no-audit --no-fund
+	@test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+	@touch $(JS_STAMP)
+
+pytest: $(STAMP) $(JS_STAMP)
 	$(PY) -m pytest
 
 test: lint typecheck pytest

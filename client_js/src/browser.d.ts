@@ -1,0 +1,2 @@
+// The browser entry (src/browser.js) has the same API as the package's main entry.
+export * from "./index.js";

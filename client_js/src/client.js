@@ -1,0 +1,780 @@
+// TokenwireClient: one WebSocket that reconnects by itself and resumes every request where it left off
+// (SPEC §10): nothing lost, nothing repeated, nothing generated twice.
+//
+// Per request the client keeps the id, the payload (to retry a chat that was never accepted with the
+// same id), the epoch from `accepted`, the text received and the next offset. After a drop it
+// reconnects with exponential backoff and full jitter, sends `hello` with the stored session token and a
+// resume point {id, offset, epoch} for every request that had been accepted, and resends the chats that
+// had not. Application pings find connections that died silently (a phone switching networks).
+
+import { SUBPROTOCOLS, MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL, CodecError, createCodec } from "./codec.js";
+import { Emitter } from "./emitter.js";
+import * as F from "./frames.js";
+import { defaultStorage } from "./storage.js";
+
+export const STATES = Object.freeze(["idle", "connecting", "open", "reconnecting", "closed"]);
+
+const FATAL_CLOSE_CODES = new Set([1002, 1008]);
+const MAX_RESETS = 5;
+
+/** An error from the server (its `code` is one of SPEC §6) or from the client itself. */
+export class TokenwireError extends Error {
+  constructor(code, message, details = {}) {
+    super(`${code}: ${message}`);
+    this.name = "TokenwireError";
+    this.code = code;
+    this.id = details.id;
+    this.retryAfterMs = details.retryAfterMs;
+    this.done = details.done;
+  }
+
+  static fromFrame(f, done) {
+    return new TokenwireError(f.code, f.message ?? "", { id: f.id, retryAfterMs: f.retry_after_ms, done });
+  }
+}
+
+/** Delay before reconnect attempt `attempt` (0-based): uniform in [0, min(max, initial * 2^attempt)]. */
+export function backoffDelay(attempt, { initialMs = 300, maxMs = 10000, random = Math.random } = {}) {
+  const cap = Math.min(maxMs, initialMs * 2 ** Math.min(attempt, 30));
+  return Math.floor(random() * cap);
+}
+
+/** A random request id (32 hex digits); crypto.getRandomValues works in insecure contexts too. */
+export function newId() {
+  const b = new Uint8Array(16);
+  globalThis.crypto.getRandomValues(b);
+  return Array.from(b, (x) => x.toString(16).padStart(2, "0")).join("");
+}
+
+function subprotocolsFrom(option, hasMsgpack) {
+  const names = (option ?? ["msgpack", "json"]).map((p) =>
+    p === "msgpack" ? MSGPACK_SUBPROTOCOL : p === "json" ? JSON_SUBPROTOCOL : p,
+  );
+  for (const n of names) if (!SUBPROTOCOLS.includes(n)) throw new TypeError(`unknown subprotocol ${n}`);
+  // Without a msgpack implementation the JSON subprotocol is the only one this client can speak.
+  const usable = hasMsgpack ? names : names.filter((n) => n === JSON_SUBPROTOCOL);
+  if (!usable.length) throw new TypeError("no usable subprotocol: pass the msgpack module or allow json");
+  return usable;
+}
+
+function resolveUrl(url) {
+  const s = String(url);
+  if (/^wss?:\/\//i.test(s)) return s;
+  const loc = globalThis.location;
+  if (loc && loc.href) {
+    const u = new URL(s, loc.href);
+    u.protocol = u.protocol === "https:" ? "wss:" : "ws:";
+    return u.href;
+  }
+  throw new TypeError(`not a ws:// or wss:// URL: ${s}`);
+}
+
+/**
+ * The stream of one request. Async-iterable: yields `{type: "delta", id, offset, n, text}` items, and
+ * `{type: "reset", id, reason}` when the text received so far must be thrown away (the server's log
+ * restarted under a new epoch, SPEC §10.4); ends after `done`, throwing a TokenwireError if the request
+ * failed. `result` resolves with `{id, text, finishReason, offset, usage, epoch}`.
+ */
+export class ChatStream {
+  #client;
+  #items = [];
+  #wake = null;
+  #ended = false;
+  #error = null;
+  #iterating = false;
+  #resolve;
+  #reject;
+
+  constructor(client, id) {
+    this.#client = client;
+    this.id = id;
+    this.text = "";
+    this.offset = 0;
+    this.epoch = null;
+    this.state = "pending"; // pending | queued | running | done | failed | cancelled (server's view)
+    this.finishReason = null;
+    this.result = new Promise((resolve, reject) => {
+      this.#resolve = resolve;
+      this.#reject = reject;
+    });
+    // Callers that only iterate must not get an unhandled rejection from `result`.
+    this.result.catch(() => {});
+  }
+
+  /** Ask the server to stop this request (the stream then ends with finishReason "cancelled"). */
+  cancel() {
+    this.#client.cancel(this.id);
+  }
+
+  _push(item) {
+    if (item.type === "delta") {
+      this.text += item.text;
+      this.offset = item.offset + item.n;
+    } else if (item.type === "reset") {
+      this.text = "";
+      this.offset = 0;
+    }
+    this.#items.push(item);
+    this.#notify();
+  }
+
+  _finish(done, error) {
+    if (this.#ended) return;
+    this.#ended = true;
+    this.finishReason = done ? done.finish_reason : null;
+    if (error) {
+      this.#error = error;
+      this.state = "failed";
+      this.#reject(error);
+    } else {
+      this.state = done.finish_reason === "cancelled" ? "cancelled" : "done";
+      this.#resolve({
+        id: this.id,
+        text: this.text,
+        finishReason: done.finish_reason,
+        offset: done.offset,
+        usage: done.usage,
+        epoch: this.epoch,
+      });
+    }
+    this.#notify();
+  }
+
+  get ended() {
+    return this.#ended;
+  }
+
+  #notify() {
+    const w = this.#wake;
+    this.#wake = null;
+    if (w) w();
+  }
+
+  async *[Symbol.asyncIterator]() {
+    if (this.#iterating) throw new TypeError("a ChatStream can be iterated only once");
+    this.#iterating = true;
+    for (;;) {
+      if (this.#items.length) {
+        yield this.#items.shift();
+        continue;
+      }
+      if (this.#ended) break;
+      await new Promise((resolve) => (this.#wake = resolve));
+    }
+    if (this.#error) throw this.#error;
+  }
+}
+
+export class TokenwireClient extends Emitter {
+  #url;
+  #opts;
+  #WebSocket;
+  #msgpack;
+  #subprotocols;
+  #storage;
+  #storageKey;
+  #conn = null; // the current connection attempt or open connection
+  #state = "idle";
+  #attempt = 0; // consecutive failed attempts, for the backoff
+  #everOpen = false;
+  #retryTimer = null;
+  #sessionToken = null;
+  #tokenLoaded = null;
+  #requests = new Map(); // id -> request record, in creation order
+  #pings = new Map(); // ts -> resolve
+  #pingSeq = 0;
+  #offNetwork = null;
+
+  /**
+   * @param url ws:// or wss:// URL of /v1/ws (a path like "/v1/ws" is resolved against the page in browsers)
+   * @param options see index.d.ts (token, storage, storageKey, subprotocols, WebSocket, msgpack,
+   *   backoff, heartbeat, connectTimeoutMs, autoConnect)
+   */
+  constructor(url, options = {}) {
+    super();
+    this.#url = typeof url === "function" ? url : resolveUrl(url);
+    this.#opts = options;
+    this.#WebSocket = options.WebSocket ?? globalThis.WebSocket;
+    if (typeof this.#WebSocket !== "function") {
+      throw new TypeError("no WebSocket implementation: pass options.WebSocket (e.g. the `ws` package in Node)");
+    }
+    this.#msgpack = options.msgpack ?? null;
+    this.#subprotocols = subprotocolsFrom(options.subprotocols, !!this.#msgpack);
+    this.#storage = options.storage === undefined ? defaultStorage() : options.storage;
+    this.#storageKey = options.storageKey ?? `tokenwire:session_token:${typeof url === "function" ? "default" : this.#url}`;
+    this.welcome = null;
+    this.rttMs = null;
+    if (options.autoConnect !== false) queueMicrotask(() => this.#state === "idle" && this.connect().catch(() => {}));
+    this.#watchNetwork();
+  }
+
+  /** idle | connecting | open | reconnecting | closed */
+  get state() {
+    return this.#state;
+  }
+
+  get sessionToken() {
+    return this.#sessionToken;
+  }
+
+  /** The subprotocol of the open connection (null when not open). */
+  get subprotocol() {
+    return this.#conn?.welcomed ? this.#conn.codec.subprotocol : null;
+  }
+
+  /** Ids of the requests that have not ended. */
+  get pending() {
+    return [...this.#requests.keys()];
+  }
+
+  /** Connect (or reconnect after close()); resolves once the server's welcome has arrived. */
+  connect() {
+    if (this.#state === "open") return Promise.resolve(this.welcome);
+    const opened = new Promise((resolve, reject) => {
+      const offOpen = this.on("open", () => {
+        offOpen();
+        offClosed();
+        resolve(this.welcome);
+      });
+      const offClosed = this.on("closed", (ev) => {
+        offOpen();
+        offClosed();
+        reject(ev.error ?? new TokenwireError("closed", "the client was closed"));
+      });
+    });
+    if (this.#state === "idle" || this.#state === "closed") {
+      this.#everOpen = false;
+      this.#attempt = 0;
+      this.#open();
+    }
+    return opened;
+  }
+
+  /**
+   * Start a request. `input` is a string (content mode: one user turn appended to the session history)
+   * or an array of {role, content} (messages mode). Returns a ChatStream; iterate it for the deltas.
+   */
+  chat(input, params = {}, { id = newId(), signal } = {}) {
+    if (this.#state === "closed") throw new TokenwireError("closed", "the client is closed; call connect()");
+    if (this.#requests.has(id)) throw new TypeError(`request ${id} is already in progress`);
+    const frame = F.chat(typeof input === "string" ? { id, content: input, params } : { id, messages: input, params });
+    const req = this.#track(id, frame, 0, null, "");
+    this.#drive(req);
+    if (signal) this.#bindSignal(req, signal);
+    return req.stream;
+  }
+
+  /**
+   * Attach to an existing request of this owner (e.g. after a page reload): replays from `offset`
+   * (0: the whole log), then streams live. Pass the `epoch` and `text` you hold for offset > 0.
+   */
+  resume(id, { offset = 0, epoch = null, text = "", signal } = {}) {
+    if (this.#state === "closed") throw new TokenwireError("closed", "the client is closed; call connect()");
+    if (this.#requests.has(id)) return this.#requests.get(id).stream;
+    F.checkId(id);
+    const req = this.#track(id, null, offset, epoch, text);
+    req.accepted = true; // known to the server: resume, never re-chat
+    this.#drive(req);
+    if (signal) this.#bindSignal(req, signal);
+    return req.stream;
+  }
+
+  /** Stop a request. Its stream ends with finishReason "cancelled" (once the server confirms). */
+  cancel(id) {
+    const req = this.#requests.get(id);
+    if (req) {
+      req.cancelRequested = true;
+      if (!req.everSent) {
+        // The server never saw it: nothing to stop there.
+        this.#end(req, { finish_reason: "cancelled", offset: 0, usage: { prompt_tokens: 0, completion_tokens: 0 } });
+        return;
+      }
+    }
+    if (this.#conn?.welcomed) this.#send(F.cancel({ id }));
+  }
+
+  /** Round-trip time of an application ping, in ms (rejects if not connected). */
+  ping() {
+    if (!this.#conn?.welcomed) return Promise.reject(new TokenwireError("not_connected", "not connected"));
+    const ts = ++this.#pingSeq;
+    const start = Date.now();
+    return new Promise((resolve, reject) => {
+      this.#pings.set(ts, { ok: () => resolve(Date.now() - start), fail: reject });
+      this.#send(F.ping(ts));
+    });
+  }
+
+  /** Close for good (until connect()); unfinished streams fail with code "closed". */
+  close() {
+    if (this.#state === "closed") return;
+    clearTimeout(this.#retryTimer);
+    this.#retryTimer = null;
+    const conn = this.#conn;
+    this.#conn = null;
+    if (conn) this.#abandon(conn, 1000, "client closed");
+    const err = new TokenwireError("closed", "the client was closed");
+    for (const waiter of this.#pings.values()) waiter.fail(err);
+    this.#pings.clear();
+    for (const req of [...this.#requests.values()]) this.#end(req, null, err);
+    this.#setState("closed", { error: err });
+  }
+
+  /** Forget the stored session token (the next connection starts a new session). */
+  async forgetSession() {
+    this.#sessionToken = null;
+    if (this.#storage) await this.#storage.removeItem(this.#storageKey);
+  }
+
+  /** Close the current socket now, as if the network dropped, and reconnect (for tests and "retry now"). */
+  reconnectNow(reason = "reconnect requested") {
+    const conn = this.#conn;
+    if (conn) this.#lost(conn, { code: 4000, reason, abandon: true });
+    else if (this.#state === "reconnecting") this.#retryNow();
+  }
+
+  // -------------------------------------------------------------------------------- requests
+
+  #track(id, frame, offset, epoch, text) {
+    const req = {
+      id,
+      frame, // the chat frame, resent as is until accepted; null for resume-only requests
+      accepted: false, // ever accepted: from then on it is resumed, never re-chatted
+      everSent: false,
+      phase: "queued", // queued | sent | attached (on the current connection)
+      conn: null,
+      requested: offset, // the offset asked for on the current attachment
+      offset,
+      epoch,
+      resets: 0,
+      cancelRequested: false,
+      error: null, // an error frame that precedes done (too_large, internal)
+      retryTimer: null,
+      stream: new ChatStream(this, id),
+    };
+    req.stream.offset = offset;
+    req.stream.text = text;
+    req.stream.epoch = epoch;
+    this.#requests.set(id, req);
+    return req;
+  }
+
+  #bindSignal(req, signal) {
+    if (signal.aborted) this.cancel(req.id);
+    else signal.addEventListener("abort", () => this.cancel(req.id), { once: true });
+  }
+
+  /** Send what a request needs on the current connection, if it is open and the request is queued. */
+  #drive(req) {
+    const conn = this.#conn;
+    if (!conn?.welcomed || req.phase !== "queued" || req.stream.ended) return;
+    if (req.accepted) this.#sendResume(req, req.offset);
+    else {
+      req.phase = "sent";
+      req.conn = conn;
+      req.everSent = true;
+      req.requested = 0;
+      this.#send(req.frame);
+    }
+    if (req.cancelRequested) this.#send(F.cancel({ id: req.id }));
+  }
+
+  #sendResume(req, offset) {
+    req.phase = "sent";
+    req.conn = this.#conn;
+    req.everSent = true;
+    req.requested = offset;
+    // The epoch only matters with offset > 0: it makes the server refuse to splice two generations.
+    this.#send(F.resume({ id: req.id, offset, epoch: offset > 0 ? req.epoch : null }));
+  }
+
+  #reset(req, reason) {
+    req.resets += 1;
+    if (req.resets > MAX_RESETS) {
+      this.#end(req, null, new TokenwireError("resume_failed", `gave up after ${MAX_RESETS} restarts of the log`, { id: req.id }));
+      return false;
+    }
+    req.offset = 0;
+    req.epoch = null;
+    if (req.stream.text !== "" || req.stream.offset !== 0) req.stream._push({ type: "reset", id: req.id, reason });
+    this.emit("reset", { id: req.id, reason });
+    return true;
+  }
+
+  #end(req, done, error = null) {
+    clearTimeout(req.retryTimer);
+    this.#requests.delete(req.id);
+    req.stream._finish(done, error);
+  }
+
+  // -------------------------------------------------------------------------------- connection
+
+  #setState(state, info = {}) {
+    const previous = this.#state;
+    if (previous === state && state !== "reconnecting") return;
+    this.#state = state;
+    const ev = { state, previous, ...info };
+    this.emit("state", ev);
+    this.emit(state, ev);
+  }
+
+  async #loadSessionToken() {
+    if (!this.#tokenLoaded) {
+      this.#tokenLoaded = (async () => {
+        if (this.#storage) {
+          try {
+            this.#sessionToken = (await this.#storage.getItem(this.#storageKey)) || null;
+          } catch {
+            this.#sessionToken = null;
+          }
+        }
+      })();
+    }
+    return this.#tokenLoaded;
+  }
+
+  async #saveSessionToken(token) {
+    if (token === this.#sessionToken) return;
+    this.#sessionToken = token;
+    try {
+      if (this.#storage) await this.#storage.setItem(this.#storageKey, token);
+    } catch (err) {
+      this.emit("error", err);
+    }
+  }
+
+  #open() {
+    clearTimeout(this.#retryTimer);
+    this.#retryTimer = null;
+    this.#setState(this.#everOpen ? "reconnecting" : "connecting", { attempt: this.#attempt });
+    const conn = { ws: null, codec: null, welcomed: false, helloSession: null, lastRx: Date.now(), pingTs: null, pingAt: 0, timers: [] };
+    this.#conn = conn;
+    this.#start(conn).catch((err) => this.#lost(conn, { code: 1006, reason: String(err?.message ?? err), abandon: true }));
+  }
+
+  async #start(conn) {
+    await this.#loadSessionToken();
+    const url = typeof this.#url === "function" ? resolveUrl(await this.#url()) : this.#url;
+    if (this.#conn !== conn) return;
+    const token = typeof this.#opts.token === "function" ? await this.#opts.token() : this.#opts.token;
+    if (this.#conn !== conn) return;
+    const ws = new this.#WebSocket(url, this.#subprotocols);
+    ws.binaryType = "arraybuffer";
+    conn.ws = ws;
+    conn.token = token;
+    const connectTimeoutMs = this.#opts.connectTimeoutMs ?? 10000;
+    conn.timers.push(
+      setTimeout(() => {
+        if (!conn.welcomed) this.#lost(conn, { code: 4001, reason: "connect timeout", abandon: true });
+      }, connectTimeoutMs),
+    );
+    ws.onopen = () => this.#onOpen(conn);
+    ws.onmessage = (ev) => this.#onMessage(conn, ev.data);
+    ws.onclose = (ev) => this.#lost(conn, { code: ev.code, reason: ev.reason });
+    ws.onerror = () => {}; // a close event always follows
+  }
+
+  #onOpen(conn) {
+    if (this.#conn !== conn) return;
+    const proto = conn.ws.protocol;
+    if (!this.#subprotocols.includes(proto)) {
+      this.#lost(conn, { code: 4002, reason: `server chose subprotocol ${JSON.stringify(proto)}`, abandon: true });
+      return;
+    }
+    conn.codec = createCodec(proto, this.#msgpack);
+    // Every request the server has accepted before is resumed in the hello (at most 256 there; the
+    // rest as resume frames after the welcome). Requests never accepted get their chat resent after it.
+    const points = [];
+    for (const req of this.#requests.values()) {
+      req.phase = "queued";
+      req.conn = null;
+      if (req.accepted && !req.stream.ended && points.length < F.MAX_RESUME_POINTS) {
+        points.push({ id: req.id, offset: req.offset, epoch: req.offset > 0 ? req.epoch : null });
+        req.phase = "sent";
+        req.conn = conn;
+        req.requested = req.offset;
+      }
+    }
+    conn.helloSession = this.#sessionToken;
+    const hello = F.hello({ token: conn.token ?? undefined, sessionToken: conn.helloSession, resume: points });
+    if (points.length) this.emit("resume", { points });
+    this.#sendOn(conn, hello);
+    this.#startHeartbeat(conn);
+  }
+
+  #onMessage(conn, data) {
+    if (this.#conn !== conn) return;
+    conn.lastRx = Date.now();
+    conn.pingTs = null; // any frame proves the connection alive
+    let frame;
+    try {
+      frame = conn.codec.decode(data);
+    } catch (err) {
+      this.emit("error", err instanceof CodecError ? err : new CodecError(String(err)));
+      return;
+    }
+    const problem = F.checkServerFrame(frame);
+    if (problem) {
+      this.emit("error", new TokenwireError("bad_frame", `from server: ${problem}`));
+      return;
+    }
+    this.emit("frame", frame);
+    if (!conn.welcomed) {
+      this.#beforeWelcome(conn, frame);
+      return;
+    }
+    const req = frame.id != null ? this.#requests.get(frame.id) : undefined;
+    switch (frame.type) {
+      case "accepted":
+        if (req) this.#onAccepted(req, frame);
+        break;
+      case "delta":
+        if (req && req.phase === "attached" && req.conn === conn) this.#onDelta(req, frame);
+        break;
+      case "done":
+        if (req && req.phase === "attached" && req.conn === conn) this.#onDone(req, frame);
+        break;
+      case "error":
+        if (req) this.#onRequestError(req, frame);
+        else this.emit("error", TokenwireError.fromFrame(frame));
+        break;
+      case "pong": {
+        const waiter = this.#pings.get(frame.ts);
+        this.#pings.delete(frame.ts);
+        waiter?.ok();
+        break;
+      }
+      default:
+        break;
+    }
+  }
+
+  #beforeWelcome(conn, frame) {
+    if (frame.type === "welcome") {
+      conn.welcomed = true;
+      this.welcome = frame;
+      this.#attempt = 0;
+      this.#everOpen = true;
+      conn.retriedWithoutSession = false;
+      this.#saveSessionToken(frame.session_token);
+      this.#setState("open", { welcome: frame });
+      for (const req of this.#requests.values()) {
+        if (req.phase === "queued") this.#drive(req);
+        else if (req.cancelRequested) this.#send(F.cancel({ id: req.id })); // resumed in the hello
+      }
+      return;
+    }
+    if (frame.type === "error") {
+      conn.helloError = frame;
+      const err = TokenwireError.fromFrame(frame);
+      this.emit("error", err);
+      if (frame.code === "internal") this.#lost(conn, { code: 1011, reason: "hello failed", abandon: true });
+      // unauthorized / unsupported_version: the server closes (1008 / 1002); #lost decides.
+    }
+  }
+
+  #onAccepted(req, f) {
+    if (req.phase !== "sent" || req.conn !== this.#conn) {
+      // An accepted we did not ask for on this connection (a duplicate resume): follow it anyway.
+      req.conn = this.#conn;
+    }
+    req.phase = "attached";
+    req.accepted = true;
+    req.stream.state = f.state;
+    if (req.epoch != null && req.epoch !== f.epoch) {
+      // The log restarted under a new epoch: what we hold belongs to another generation (SPEC §10.4).
+      if (!this.#reset(req, "epoch_changed")) return;
+      req.epoch = f.epoch;
+      req.stream.epoch = f.epoch;
+      if (req.requested > 0) {
+        this.#sendResume(req, 0);
+        return;
+      }
+    }
+    req.epoch = f.epoch;
+    req.stream.epoch = f.epoch;
+    // SPEC §8.9: on every accepted the expected offset is the offset asked for.
+    req.offset = req.requested;
+  }
+
+  #onDelta(req, f) {
+    if (f.offset === req.offset) {
+      req.offset += f.n;
+      if (req.stream.state === "queued") req.stream.state = "running";
+      req.stream._push({ type: "delta", id: req.id, offset: f.offset, n: f.n, text: f.text });
+    } else if (f.offset + f.n <= req.offset) {
+      // Already held: never show text twice.
+    } else {
+      // A gap (or a delta straddling what we hold): ask again from what we hold.
+      this.emit("error", new TokenwireError("bad_frame", `delta at ${f.offset}+${f.n}, expected ${req.offset}; resyncing`, { id: req.id }));
+      this.#sendResume(req, req.offset);
+    }
+  }
+
+  #onDone(req, f) {
+    if (f.offset !== req.offset) {
+      this.emit("error", new TokenwireError("bad_frame", `done at ${f.offset}, expected ${req.offset}; resyncing`, { id: req.id }));
+      this.#sendResume(req, req.offset);
+      return;
+    }
+    if (f.finish_reason === "error") {
+      const cause = req.error ?? { code: "internal", message: "generation failed", id: req.id };
+      this.#end(req, f, TokenwireError.fromFrame(cause, f));
+      return;
+    }
+    this.#end(req, f);
+  }
+
+  #onRequestError(req, f) {
+    switch (f.code) {
+      case "resume_failed":
+        // The log we held is gone (or the offset was refused): drop the text, replay from 0.
+        if (this.#reset(req, "resume_failed")) this.#sendResume(req, 0);
+        return;
+      case "overloaded":
+      case "rate_limited": {
+        // Nothing was created: send the same frame again (same id) after the server's delay.
+        req.phase = "queued";
+        clearTimeout(req.retryTimer);
+        req.retryTimer = setTimeout(() => this.#drive(req), f.retry_after_ms ?? 1000);
+        return;
+      }
+      case "too_large":
+      case "internal":
+        if (req.phase === "attached") {
+          req.error = f; // the done with finish_reason "error" follows
+          return;
+        }
+        break;
+      default:
+        break;
+    }
+    this.#end(req, null, TokenwireError.fromFrame(f));
+  }
+
+  #send(frame) {
+    if (this.#conn) this.#sendOn(this.#conn, frame);
+  }
+
+  #sendOn(conn, frame) {
+    const ws = conn.ws;
+    if (!ws || ws.readyState !== 1) return; // lost frames are resent from the request records
+    try {
+      ws.send(conn.codec.encode(frame));
+    } catch (err) {
+      this.emit("error", err);
+    }
+  }
+
+  #startHeartbeat(conn) {
+    const hb = this.#opts.heartbeat;
+    if (hb === false) return;
+    const activeMs = hb?.intervalMs ?? 2000; // no traffic for this long while a request is unfinished
+    const idleMs = hb?.idleIntervalMs ?? 15000; // ... or while nothing is pending
+    const timeoutMs = hb?.timeoutMs ?? 3000; // no frame at all this long after a ping: dead
+    const period = Math.max(50, Math.min(1000, Math.min(activeMs, timeoutMs) / 4));
+    const timer = setInterval(() => {
+      if (this.#conn !== conn) return;
+      const now = Date.now();
+      if (conn.pingTs != null) {
+        if (now - conn.pingAt >= timeoutMs) {
+          this.#lost(conn, { code: 4003, reason: `no answer to ping in ${timeoutMs} ms`, abandon: true });
+        }
+        return;
+      }
+      const quiet = this.#requests.size ? activeMs : idleMs;
+      if (conn.welcomed && now - conn.lastRx >= quiet) this.#probe(conn);
+    }, period);
+    conn.timers.push(timer);
+  }
+
+  #probe(conn) {
+    if (!conn.welcomed || conn.pingTs != null) return;
+    const ts = ++this.#pingSeq;
+    conn.pingTs = ts;
+    conn.pingAt = Date.now();
+    const start = conn.pingAt;
+    this.#pings.set(ts, {
+      ok: () => {
+        this.rttMs = Date.now() - start;
+      },
+      fail: () => {},
+    });
+    this.#sendOn(conn, F.ping(ts));
+  }
+
+  /** Drop a socket without waiting for its close handshake (which never ends on a dead network). */
+  #abandon(conn, code, reason) {
+    for (const t of conn.timers) {
+      clearTimeout(t);
+      clearInterval(t);
+    }
+    conn.timers = [];
+    const ws = conn.ws;
+    if (!ws) return;
+    ws.onopen = ws.onmessage = ws.onclose = ws.onerror = null;
+    ws.onerror = () => {};
+    try {
+      if (typeof ws.terminate === "function") ws.terminate();
+      else ws.close(code >= 4000 && code < 5000 ? code : 1000, reason.slice(0, 100));
+    } catch {
+      // already closed
+    }
+  }
+
+  #lost(conn, { code = 1006, reason = "", abandon = false }) {
+    if (this.#conn !== conn) return;
+    this.#conn = null;
+    this.#abandon(conn, abandon ? code : 1000, reason);
+    for (const req of this.#requests.values()) {
+      req.phase = "queued";
+      req.conn = null;
+    }
+    const lostErr = new TokenwireError("not_connected", `connection lost (${code} ${reason})`);
+    for (const waiter of this.#pings.values()) waiter.fail(lostErr);
+    this.#pings.clear();
+    if (FATAL_CLOSE_CODES.has(code) || conn.helloError?.code === "unsupported_version") {
+      if (conn.helloError?.code === "unauthorized" && conn.helloSession && !this.#opts.keepSessionOnUnauthorized) {
+        // Most likely the stored session token is stale or from another deployment: a new session.
+        this.#sessionToken = null;
+        Promise.resolve(this.#storage?.removeItem(this.#storageKey)).catch(() => {});
+        this.#open();
+        return;
+      }
+      const err = conn.helloError
+        ? TokenwireError.fromFrame(conn.helloError)
+        : new TokenwireError(code === 1008 ? "policy_violation" : "protocol_error", `closed ${code} ${reason}`);
+      for (const req of [...this.#requests.values()]) this.#end(req, null, err);
+      this.#setState("closed", { code, reason, error: err });
+      return;
+    }
+    const delay = backoffDelay(this.#attempt, { ...this.#opts.backoff, random: this.#opts.backoff?.random });
+    this.#attempt += 1;
+    this.#setState("reconnecting", { code, reason, delay, attempt: this.#attempt });
+    this.#retryTimer = setTimeout(() => this.#open(), delay);
+  }
+
+  #retryNow() {
+    if (this.#state !== "reconnecting" || this.#conn) return;
+    this.#open();
+  }
+
+  #watchNetwork() {
+    // Browsers tell us when the network changes: probe the socket (or retry) at once instead of
+    // waiting for the heartbeat or the backoff.
+    const w = globalThis.window;
+    if (!w || typeof w.addEventListener !== "function" || this.#opts.networkEvents === false) return;
+    const onOnline = () => {
+      if (this.#conn?.welcomed) this.#probe(this.#conn);
+      else this.#retryNow();
+    };
+    const onVisible = () => {
+      if (globalThis.document?.visibilityState === "visible" && this.#conn?.welcomed) this.#probe(this.#conn);
+    };
+    w.addEventListener("online", onOnline);
+    globalThis.document?.addEventListener?.("visibilitychange", onVisible);
+    this.#offNetwork = () => {
+      w.removeEventListener("online", onOnline);
+      globalThis.document?.removeEventListener?.("visibilitychange", onVisible);
+    };
+  }
+}

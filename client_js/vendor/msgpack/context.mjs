@@ -1,0 +1,2 @@
+export {};
+//# sourceMappingURL=context.mjs.map

@@ -148,11 +148,18 @@ class LogReader:
                 if key == self.wake_key:
                     self._wake_id = entries[-1][0].decode()
                     continue
-                self._dispatch(key, entries)
+                self._dispatch(key, entries, _id_tuple(streams[key]))
 
-    def _dispatch(self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def _dispatch(
+        self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]], read_from: tuple[int, int]
+    ) -> None:
         for sub in list(self._subs.get(key, ())):
             last = _id_tuple(sub.last_id)
+            if read_from > last:
+                # This read began past this subscription's position (it joined while the read was in
+                # flight): entries it needs may be missing from the batch. The next read starts at the
+                # lowest position of all subscribers, so it gets them then, in order.
+                continue
             for raw_id, fields in entries:
                 entry_id = raw_id.decode()
                 if _id_tuple(entry_id) <= last:

@@ -44,10 +44,10 @@ def tiny_server(tiny_model_dir: Path, tmp_path: Path, redis_url: str) -> Iterato
 
 
 async def test_serve_tiny_model_streams_over_both_subprotocols(tiny_server: str) -> None:
-    for sub in ("tokenwire.v1.msgpack", JSON_SUBPROTOCOL):
+    for seed, sub in enumerate(("tokenwire.v1.msgpack", JSON_SUBPROTOCOL)):
         c = await Client.connect(tiny_server, subprotocol=sub)
         text, deltas, done, errors = await collect(
-            c.chat("Hello", params=Params(max_tokens=16, temperature=0.8, seed=1))
+            c.chat("Hello", params=Params(max_tokens=16, temperature=0.8, seed=seed))
         )
         assert errors == []
         _check_stream(text, deltas, done)

@@ -63,7 +63,8 @@ def _chat(conv: int, turn: int, prefix: str) -> Chat:
     return Chat(
         id=f"{prefix}-{conv}-{turn}",
         content=f"Tell me about topic {conv} part {turn}",
-        params=Params(max_tokens=MAX_TOKENS, temperature=0.9, seed=conv * 10 + turn),
+        # cache=False: the chaos run must generate, not replay the reference run from the response cache.
+        params=Params(max_tokens=MAX_TOKENS, temperature=0.9, seed=conv * 10 + turn, cache=False),
     )
 
 

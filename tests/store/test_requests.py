@@ -142,3 +142,32 @@ async def test_log_reader_replays_then_follows(redis: aioredis.Redis, keys: Keys
     finally:
         await reader.stop()
         await reader_r.aclose()
+
+
+async def test_log_reader_subscriber_joining_mid_read_still_starts_at_its_offset(
+    redis: aioredis.Redis, keys: Keys, redis_url: str
+) -> None:
+    """A subscription made while the blocking read waits past its position must still get every entry
+    from its own offset, in order (the in-flight read's batch skips what it needs)."""
+    store = RequestStore(redis, keys)
+    item = await _started(store)
+    await store.write_step([StepOp(item, i, 1, f"t{i}", 1) for i in range(5)], "w1")
+    reader_r = aioredis.from_url(redis_url)
+    reader = LogReader(reader_r, keys.wake("test"), block_ms=1000)
+    reader.start()
+    try:
+        ahead = reader.subscribe(item.log_key, 5)  # the read now blocks waiting for offset 5
+        await asyncio.sleep(0.2)
+        # Join without waking the reader, so that the in-flight read (from offset 5) returns the next
+        # entry first: the worst case of a wake-up that arrives after the write.
+        wake = reader._wake
+        reader._wake = asyncio.Event()
+        late = reader.subscribe(item.log_key, 0)
+        reader._wake = wake
+        await store.write_step([StepOp(item, 5, 1, "t5", 1)], "w1")
+        got = [await asyncio.wait_for(late.queue.get(), 5) for _ in range(6)]
+        assert [e.offset for e in got] == [0, 1, 2, 3, 4, 5]
+        assert (await asyncio.wait_for(ahead.queue.get(), 5)).offset == 5
+    finally:
+        await reader.stop()
+        await reader_r.aclose()

@@ -69,7 +69,9 @@ async def test_bad_frames_are_counted_by_code(server: Running) -> None:
 async def test_request_log_lines_are_bound_and_carry_no_text(server: Running) -> None:
     buf = io.StringIO()
     configure("info", json=True)
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=buf), cache_logger_on_first_use=False)
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(file=buf), cache_logger_on_first_use=False
+    )
     try:
         c = await Client.connect(server.url)
         await collect(c.chat("my secret prompt words", id="logged", params=Params(max_tokens=5)))

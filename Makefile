@@ -8,7 +8,7 @@ STAMP := $(VENV)/.tokenwire-installed
 HOST ?= 127.0.0.1
 PORT ?= 8765
 
-.PHONY: run test lint typecheck pytest install js-deps clean
+.PHONY: run test lint typecheck pytest install js-deps bench clean
 
 install: $(STAMP)
 
@@ -48,6 +48,10 @@ pytest: $(STAMP) $(JS_STAMP)
 	$(PY) -m pytest
 
 test: lint typecheck pytest
+
+# Every benchmark of DESIGN.md section 6 in one run (about 20 minutes on 2 cores); rewrites BENCHMARKS.md.
+bench: $(STAMP)
+	$(PY) -m server.load.benchmarks --out BENCHMARKS.md --work .bench
 
 clean:
 	rm -rf $(VENV) .tokenwire .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -31,13 +31,24 @@ def keys() -> Keys:
     return Keys(prefix=f"twtest:{uuid.uuid4().hex[:10]}:")
 
 
+def delete_prefix(redis_url: str, prefix: str) -> None:
+    """Delete every key under a test's own prefix (and nothing else: the Redis may be shared)."""
+    import redis as sync_redis
+
+    r = sync_redis.Redis.from_url(redis_url)
+    try:
+        for k in r.scan_iter(match=f"{prefix}*", count=500):
+            r.delete(k)
+    finally:
+        r.close()
+
+
 @pytest.fixture
 async def redis(redis_url: str, keys: Keys) -> AsyncIterator[aioredis.Redis]:
     r = aioredis.from_url(redis_url)
     yield r
-    async for k in r.scan_iter(match=f"{keys.prefix}*", count=500):
-        await r.delete(k)
     await r.aclose()
+    delete_prefix(redis_url, keys.prefix)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from protocol import Accepted, Chat, Delta, Done, Error, Message, Params, ResumePoint
 from server.client import Client, collect
 from server.store.keys import Keys
+from tests.conftest import delete_prefix
 from tests.e2e.serve_process import ServeProcess
 
 LEASE_TTL_S = 2.0
@@ -62,14 +63,13 @@ def cluster(redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
             if p.proc is not None and p.proc.poll() is None:
                 p.proc.kill()
             p.stop()
+        delete_prefix(redis_url, prefix)
 
 
 @pytest.fixture
 async def cluster_redis(redis_url: str, cluster: Cluster) -> AsyncIterator[aioredis.Redis]:
     r = aioredis.from_url(redis_url)
     yield r
-    async for k in r.scan_iter(match=f"{cluster.prefix}*", count=500):
-        await r.delete(k)
     await r.aclose()
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from protocol import Params
 from server.client import Client, collect
+from tests.conftest import delete_prefix
 
 
 def _free_consecutive_ports(n: int) -> int:
@@ -69,6 +70,7 @@ async def test_cluster_command_serves_on_every_gateway_and_stops_on_ctrl_c(
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+        delete_prefix(redis_url, prefix)
 
 
 def _children(pid: int) -> list[int]:

@@ -9,6 +9,7 @@ import pytest
 
 from protocol import JSON_SUBPROTOCOL, Params
 from server.client import Client, collect
+from tests.conftest import delete_prefix
 from tests.e2e.serve_process import ServeProcess
 
 
@@ -26,21 +27,15 @@ def _check_stream(text: str, deltas: list, done) -> None:  # type: ignore[no-unt
 
 @pytest.fixture
 def tiny_server(tiny_model_dir: Path, tmp_path: Path, redis_url: str) -> Iterator[str]:
+    prefix = f"twtest:e2e:{tmp_path.name}:"
     p = ServeProcess(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--redis-url",
-            redis_url,
-            "--key-prefix",
-            f"twtest:e2e:{tmp_path.name}:",
-        ],
-        tmp_path,
+        ["--model", str(tiny_model_dir), "--redis-url", redis_url, "--key-prefix", prefix], tmp_path
     )
     try:
         yield p.start()
     finally:
         assert p.stop() == 0, p.stderr_path.read_text()[-2000:]
+        delete_prefix(redis_url, prefix)
 
 
 async def test_serve_tiny_model_streams_over_both_subprotocols(tiny_server: str) -> None:

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.load.cli import run
 from server.load.options import Dist, LoadConfig
+from tests.conftest import delete_prefix
 from tests.e2e.serve_process import ServeProcess
 
 
@@ -28,22 +29,14 @@ def served(
     tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServeProcess]:
     data = tmp_path_factory.mktemp("load-serve")
-    p = ServeProcess(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--redis-url",
-            redis_url,
-            "--key-prefix",
-            f"twtest:load:{data.name}:",
-        ],
-        data,
-    )
+    prefix = f"twtest:load:{data.name}:"
+    p = ServeProcess(["--model", str(tiny_model_dir), "--redis-url", redis_url, "--key-prefix", prefix], data)
     p.start()
     try:
         yield p
     finally:
         assert p.stop() == 0, p.stderr_path.read_text()[-2000:]
+        delete_prefix(redis_url, prefix)
 
 
 def _tokens_generated(ws_url: str) -> float:

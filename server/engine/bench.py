@@ -13,6 +13,7 @@ import itertools
 import json
 import queue
 import random
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -31,24 +32,15 @@ OUT_MIN, OUT_MAX = 16, 128
 STATIC_BATCH = 8
 POISSON_LOAD = 0.7
 
-TOPICS = [
-    "the history of the printing press",
-    "how vaccines train the immune system",
-    "why the sky is blue",
-    "the rules of chess for a beginner",
-    "how to bake sourdough bread",
-    "what a hash table is",
-    "the water cycle",
-    "how WebSockets differ from HTTP polling",
-    "the causes of the French Revolution",
-    "how solar panels make electricity",
-    "what photosynthesis does",
-    "how to learn a new language as an adult",
-    "the difference between weather and climate",
-    "how a compiler turns code into a program",
-    "the life cycle of a star",
-    "good habits for a healthy sleep",
-]
+_TOPIC_LIST = (
+    "the history of the printing press; how vaccines train the immune system; why the sky is blue; "
+    "the rules of chess for a beginner; how to bake sourdough bread; what a hash table is; the water cycle; "
+    "how WebSockets differ from HTTP polling; the causes of the French Revolution; how solar panels make "
+    "electricity; what photosynthesis does; how to learn a new language as an adult; the difference between "
+    "weather and climate; how a compiler turns code into a program; the life cycle of a star; good habits "
+    "for a healthy sleep"
+)
+TOPICS = _TOPIC_LIST.split("; ")
 DETAILS = [
     "Keep it simple, I am new to this.",
     "Please give a short example.",
@@ -362,26 +354,72 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
+def run_late_join(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> dict[str, float]:
+    """TTFT of a request arriving while all the others decode, against its own prefill time (its TTFT
+    on an idle engine) plus two decode steps (median step interval just before it arrives)."""
+    engine = BatchingEngine(loaded)
+    steps: queue.Queue[tuple[float, list[StepOutput]]] = queue.Queue()
+    engine.start(lambda outs: steps.put((time.perf_counter(), outs)))
+
+    def first_token(key: str, since: float) -> float:
+        while True:
+            t, outs = steps.get(timeout=600)
+            if any(o.key == key and o.n > 0 for o in outs):
+                return (t - since) * 1000
+
+    try:
+        late, others = reqs[-1], reqs[:-1]
+        _engine_warmup(engine, steps, late)
+        t0 = time.perf_counter()
+        engine.submit(_engine_request(BenchRequest("alone", late.prompt_ids, 1)))
+        alone = first_token("alone", t0)
+        for r in others:
+            engine.submit(_engine_request(BenchRequest(r.key, r.prompt_ids, OUT_MAX)))
+        started: set[str] = set()
+        times: list[float] = []
+        while len(started) < len(others) or len(times) < 6:  # everyone decoding, then a few steps
+            t, outs = steps.get(timeout=600)
+            started.update(o.key for o in outs if o.n > 0)
+            if len(started) == len(others):
+                times.append(t)
+        step_ms = statistics.median(b - a for a, b in itertools.pairwise(times)) * 1000
+        t0 = time.perf_counter()
+        engine.submit(_engine_request(BenchRequest("late", late.prompt_ids, 4)))
+        ttft = first_token("late", t0)
+    finally:
+        engine.stop()
+    bound = alone + 2 * step_ms
+    return {
+        "ttft_ms": round(ttft, 1),
+        "prefill_alone_ms": round(alone, 1),
+        "decode_step_ms": round(step_ms, 1),
+        "bound_ms": round(bound, 1),
+        "running": len(reqs) - 1,
+    }
+
+
 # ---- multi-turn TTFT -------------------------------------------------------------------------------
 
 
-def run_turns(loaded: LoadedModel, turns: int, *, reuse: bool, reply_tokens: int = 48) -> list[float]:
-    """TTFT (ms) of each turn of one chat session, the engine otherwise idle."""
+def run_turns(loaded: LoadedModel, turns: int, *, reuse: bool, repeats: int = 3) -> list[float]:
+    """TTFT (ms) of each turn of a chat session, the engine otherwise idle: per turn, the median over
+    ``repeats`` fresh sessions (a shared machine makes single timings noisy)."""
+    runs = [_session(loaded, turns, reuse=reuse) for _ in range(repeats)]
+    return [round(statistics.median(r[t] for r in runs), 1) for t in range(turns)]
+
+
+def _session(loaded: LoadedModel, turns: int, *, reuse: bool, reply_tokens: int = 48) -> list[float]:
     engine = BatchingEngine(loaded, prefix_reuse=reuse)
     steps: queue.Queue[tuple[float, list[StepOutput]]] = queue.Queue()
     engine.start(lambda outs: steps.put((time.perf_counter(), outs)))
     messages: list[dict[str, str]] = []
     ttfts: list[float] = []
+    params = SamplingParams(max_tokens=reply_tokens, temperature=0.0, ignore_eos=True)
     try:
         for turn in range(turns):
-            messages.append(
-                {
-                    "role": "user",
-                    "content": f"Turn {turn + 1}: tell me one fact about {TOPICS[turn % len(TOPICS)]}.",
-                }
-            )
+            topic = TOPICS[turn % len(TOPICS)]
+            messages.append({"role": "user", "content": f"Turn {turn + 1}: tell me one fact about {topic}."})
             key = f"turn{turn}"
-            params = SamplingParams(max_tokens=reply_tokens, temperature=0.0, ignore_eos=True)
             t0 = time.perf_counter()
             engine.submit(GenerationRequest(key, list(messages), params, session="bench-session"))
             first: float | None = None
@@ -389,14 +427,11 @@ def run_turns(loaded: LoadedModel, turns: int, *, reuse: bool, reply_tokens: int
             done = False
             while not done:
                 t, outs = steps.get(timeout=600)
-                for o in outs:
-                    if o.key != key:
-                        continue
-                    if first is None and o.n > 0:
-                        first = t
+                for o in (o for o in outs if o.key == key):
+                    first = t if first is None and o.n > 0 else first
                     text.append(o.text)
                     done = done or o.finish is not None
-            ttfts.append(round(((first or t) - t0) * 1000, 1))
+            ttfts.append(((first or t) - t0) * 1000)
             messages.append({"role": "assistant", "content": "".join(text)})
     finally:
         engine.stop()
@@ -419,28 +454,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=500000.0,
         tie_word_embeddings=True,
     ),
-    "135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-    ),
 }
 
 
 class _IdTokenizer:
-    """Stands in for a tokenizer with random weights: token ids decode to short placeholder words."""
+    """Stands in for a tokenizer with random weights: id N decodes to " tN" and back; other text
+    encodes byte by byte (so the chat path and multi-turn prefix reuse work without a download)."""
 
     chat_template = None
 
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(f" t{int(i)}" for i in ids)
+
+    def encode(self, text: str) -> list[int]:
+        return [
+            int(m[1]) if m[1] else 3 + ord(m[2]) % (self.vocab - 3)
+            for m in re.finditer(r" t(\d+)|(.)", text, re.S)
+        ]
 
 
 def random_model(spec: str, device: str, dtype: str) -> LoadedModel:
@@ -453,11 +486,8 @@ def random_model(spec: str, device: str, dtype: str) -> LoadedModel:
     config = LlamaConfig(**fields)
     config.pad_token_id = 0
     config.eos_token_id = 2
-    torch_dtype = (
-        getattr(torch, dtype)
-        if dtype != "auto"
-        else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    )
+    auto = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    torch_dtype = auto if dtype == "auto" else getattr(torch, dtype)
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(device):
@@ -467,7 +497,7 @@ def random_model(spec: str, device: str, dtype: str) -> LoadedModel:
     model.eval()
     return LoadedModel(
         model=model,
-        tokenizer=_IdTokenizer(),
+        tokenizer=_IdTokenizer(config.vocab_size),
         name=f"random-{spec}",
         eos_ids=frozenset({2}),
         device=device,
@@ -531,6 +561,13 @@ def main(
                 res = PathResult(note=f"failed: {type(exc).__name__}: {exc}"[:300])
         results[name] = asdict(res)
         echo(_row(name, res))
+    if "engine" in paths and len(reqs) > 1:
+        lj = run_late_join(loaded, reqs)
+        results["late_join"] = lj
+        echo(
+            f"late arrival while {lj['running']} decode: TTFT {lj['ttft_ms']} ms; its prefill alone "
+            f"{lj['prefill_alone_ms']} ms + 2 decode steps of {lj['decode_step_ms']} ms = {lj['bound_ms']} ms"
+        )
     if turns:
         reuse = run_turns(loaded, turns, reuse=True)
         no_reuse = run_turns(loaded, turns, reuse=False)
@@ -544,16 +581,13 @@ def main(
     return results
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
-
-
 def _row(name: str, r: PathResult) -> str:
-    return (
-        f"{name:15s} {_fmt(r.tok_s):>8s} tok/s  TTFT p50 {_fmt(r.ttft_p50_ms):>8s}"
-        f" p99 {_fmt(r.ttft_p99_ms):>8s} ms  ITL p50 {_fmt(r.itl_p50_ms):>7s}"
-        f" p99 {_fmt(r.itl_p99_ms):>7s} ms  {r.note}"
-    )
+    f = [
+        ("-" if x is None else f"{x:.1f}")
+        for x in (r.tok_s, r.ttft_p50_ms, r.ttft_p99_ms, r.itl_p50_ms, r.itl_p99_ms)
+    ]
+    ttft, itl = f"TTFT p50 {f[1]:>8s} p99 {f[2]:>8s} ms", f"ITL p50 {f[3]:>7s} p99 {f[4]:>7s} ms"
+    return f"{name:15s} {f[0]:>8s} tok/s  {ttft}  {itl}  {r.note}"
 
 
 def _ratios(results: dict[str, Any], echo: Callable[[str], None]) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 import structlog
 import torch
 
-from server.engine.api import EngineOverloaded, GenerationRequest, StepCallback, StepOutput
+from server.engine import llama
+from server.engine.api import Engine, EngineOverloaded, GenerationRequest, StepCallback, StepOutput
 from server.engine.model import LoadedModel
 from server.engine.prompt import PromptTooLarge, fit_messages
 from server.engine.runner import Runner, kv_bytes_per_token
@@ -31,6 +32,18 @@ class EngineConfig:
     prefill_tokens: int
     max_waiting: int
     prefix_reuse: bool
+
+
+def engine_for(loaded: LoadedModel, **overrides: Any) -> Engine:
+    """The batching engine for Llama-family models; the simple one-sequence-at-a-time engine (slower,
+    any causal LM transformers can run) for other architectures."""
+    reason = llama.unsupported_reason(loaded.model)
+    if reason is None:
+        return BatchingEngine(loaded, **overrides)
+    from server.engine.simple import SimpleEngine
+
+    log.warning("engine.generic_path", model=loaded.name, reason=reason)
+    return SimpleEngine(loaded)
 
 
 def default_pools(
@@ -57,9 +70,10 @@ def default_config(
     max_waiting: int = 256,
     prefix_reuse: bool = True,
 ) -> EngineConfig:
+    """Sizes for this model and device; any argument given overrides its default."""
     cuda = str(loaded.device).startswith("cuda")
     model_ctx = int(getattr(loaded.model.config, "max_position_embeddings", 2048))
-    running = max_running or (256 if cuda else 48)
+    running = max_running or (256 if cuda else 32)
     if pools is None:
         ctx = min(model_ctx, max_context or (8192 if cuda else 2048))
         if kv_budget_mb is None:
@@ -67,14 +81,14 @@ def default_config(
                 free, _ = torch.cuda.mem_get_info(torch.device(loaded.device))
                 kv_budget_mb = min(free // 2, 32 << 30) >> 20
             else:
-                kv_budget_mb = 1536
+                kv_budget_mb = 1024
         per_token = kv_bytes_per_token(loaded.model, loaded.dtype)
         pools = default_pools(per_token, ctx, running, kv_budget_mb << 20)
     return EngineConfig(
         max_running=running,
         max_context=max(length for _, length in pools),
         pools=pools,
-        # CPU: a step's prefill is ~1.5 ms a token on SmolLM2, so 256 keeps a step under half a second.
+        # CPU: prefill costs ~1.3 ms a token on SmolLM2 here, so 256 bounds a step near a third of a second.
         prefill_tokens=prefill_tokens or (2048 if cuda else 256),
         max_waiting=max_waiting,
         prefix_reuse=prefix_reuse,
@@ -161,7 +175,13 @@ class BatchingEngine:
                     else:
                         with self._lock:
                             self._inbox_submits -= 1
-                        self._intake(arg, outs)
+                        try:
+                            self._intake(arg, outs)
+                        except Exception as exc:  # a request that cannot even be read fails alone
+                            log.exception("engine.intake_failed", key=arg.key)
+                            outs.append(
+                                _error(arg.key, len(arg.resume_ids), "internal", f"bad request: {exc}")
+                            )
             except queue.Empty:
                 pass
             if self.sched.has_work():
@@ -169,7 +189,10 @@ class BatchingEngine:
             with self._lock:
                 self._sched_waiting = self.sched.new_waiting()
             if outs:
-                self._on_step(outs)
+                try:
+                    self._on_step(outs)
+                except Exception:  # the receiver's problem (e.g. its loop is closing): keep going
+                    log.exception("engine.on_step_failed")
 
     def _step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
@@ -180,16 +203,7 @@ class BatchingEngine:
         except Exception as exc:  # never let one bad step kill the engine thread
             log.exception("engine.step_failed")
             outs = [
-                StepOutput(
-                    s.key,
-                    s.offset,
-                    0,
-                    "",
-                    finish="error",
-                    error_code="internal",
-                    error_message=f"engine error: {exc}"[:200],
-                )
-                for s in self.sched.finish_all()
+                _error(s.key, s.offset, "internal", f"engine error: {exc}") for s in self.sched.finish_all()
             ]
             self.sched = self._new_scheduler()  # the slot table may be half-updated: start clean
             return outs
@@ -202,17 +216,15 @@ class BatchingEngine:
         start = len(req.resume_ids)
         try:
             if req.prompt_ids is not None:
-                ids = list(req.prompt_ids)
+                ids = [int(t) for t in req.prompt_ids]
+                if not all(0 <= t < self.runner.shape.vocab for t in ids):
+                    raise ValueError("prompt_ids outside the vocabulary")
                 if len(ids) > self.max_prompt_tokens:
                     raise PromptTooLarge(f"prompt is {len(ids)} tokens; at most {self.max_prompt_tokens}")
             else:
                 ids = fit_messages(req.messages, self.m.encode_chat, self.max_prompt_tokens)
         except PromptTooLarge as exc:
-            outs.append(
-                StepOutput(
-                    req.key, start, 0, "", finish="error", error_code="too_large", error_message=str(exc)
-                )
-            )
+            outs.append(_error(req.key, start, "too_large", str(exc)))
             return
         if start >= req.params.max_tokens or len(ids) + start >= self.max_context:
             # Resumed at (or past) its end: nothing left to generate.
@@ -220,11 +232,11 @@ class BatchingEngine:
             return
         try:
             self.sched.add(req.key, ids, req.params, resume_ids=req.resume_ids, session=req.session)
-        except QueueFull as exc:
-            outs.append(
-                StepOutput(
-                    req.key, start, 0, "", finish="error", error_code="overloaded", error_message=str(exc)
-                )
-            )
+        except QueueFull as exc:  # submit() keeps the queue under its bound; a race may still land here
+            outs.append(_error(req.key, start, "overloaded", str(exc)))
             return
         self.requests_started += 1
+
+
+def _error(key: str, offset: int, code: str, message: str) -> StepOutput:
+    return StepOutput(key, offset, 0, "", finish="error", error_code=code, error_message=message[:200])

@@ -15,8 +15,6 @@ from server.engine.kv_cache import Move, Op, Swap
 from server.engine.sampling import sample
 from server.engine.scheduler import Batch, Work
 
-CPU_THREADS_ENV = "TOKENWIRE_THREADS"
-
 
 @dataclass(frozen=True, slots=True)
 class RunnerStats:
@@ -127,7 +125,12 @@ class Runner:
             positions.extend(range(w.start, w.start + w.n))
             for pos in range(w.start, w.start + w.n):
                 rows.extend(self.cache.rows_of(pool, slot, pos))
-            prefill.append(llama.PrefillChunk(pool, slot, lo, lo + w.n, w.start))
+            causal: torch.Tensor | None = None
+            if w.start > 0:  # continues a cached prefix or an earlier chunk: causal, shifted by start
+                keys = torch.arange(w.start + w.n)
+                causal = keys[None, :] <= (w.start + torch.arange(w.n))[:, None]  # [n, start + n]
+                causal = causal.repeat(self.shape.rep, 1).to(dev)  # one copy per folded query head
+            prefill.append(llama.PrefillChunk(pool, slot, lo, lo + w.n, w.start, causal))
             last_token[id(w)] = lo + w.n - 1
         logits_at = [last_token[id(w)] for w in work if w.sample]
         return llama.StepLayout(

@@ -116,6 +116,7 @@ class Scheduler:
         self._arrivals = 0
         self._admit_times: deque[float] = deque(maxlen=64)
         self.preemptions = 0
+        self.reused_tokens = 0  # prompt tokens not fed again thanks to session prefix reuse
 
     @property
     def max_context(self) -> int:
@@ -140,6 +141,8 @@ class Scheduler:
         session: str = "",
     ) -> Seq:
         """Queue a request (prompt already within budget). Raises QueueFull at the waiting bound."""
+        if len(prompt_ids) + len(resume_ids) >= self.max_context:
+            raise ValueError(f"{key}: {len(prompt_ids) + len(resume_ids)} tokens leave no room in any slot")
         if self.new_waiting() >= self.cfg.max_waiting:
             raise QueueFull(self.retry_after_ms())
         detok = Detokenizer(self.decode, params.stop)
@@ -310,6 +313,7 @@ class Scheduler:
                 prefix.kv_len = min(prefix.kv_len, shared)  # only the shared part is valid here
                 self.table.adopt(prefix, seq, target)
                 seq.kv_len = seq.reused = prefix.kv_len
+                self.reused_tokens += seq.reused
                 return True
             self.table.drop_prefix(prefix)
         if not any(self.table.acquire(t, seq) for t in pools):

@@ -181,6 +181,18 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
             f"| {name} | {_f(x.get('tok_s'))} | {ratio} | {_f(x.get('ttft_p50_ms'), 0)} | "
             f"{_f(x.get('ttft_p99_ms'), 0)} | {_f(x.get('itl_p50_ms'))} | {_f(x.get('itl_p99_ms'))} |"
         )
+    late = e.get("late_join") or {}
+    if late:
+        lines.append(
+            f"\nA request arriving while {late.get('running')} others decode: "
+            f"TTFT {_f(late.get('ttft_ms'), 0)} ms"
+            f" against its own prefill ({_f(late.get('prefill_alone_ms'), 0)} ms) plus two decode steps"
+            f" (2 x {_f(late.get('decode_step_ms'), 0)} ms) = {_f(late.get('bound_ms'), 0)} ms."
+        )
+    lines.append(
+        "\nWhere the engine's time goes and why (slots, oneDNN packed weights, threads, prefill budget,"
+        " bf16): `server/engine/README.md`."
+    )
     turns = e.get("turns") or {}
     if turns:
         reuse, no = turns.get("reuse") or [], turns.get("no_reuse") or []
@@ -225,8 +237,8 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
     ]
     w = ld["wire"]
     for name in ("msgpack", "json", "sse"):
-        ratio = w["ratio_to_sse"].get(name) if name != "sse" else 1.0
-        lines.append(f"| {name} | {_f(w['bytes_per_token'].get(name))} | {_f(ratio, 2)}x |")
+        sse_ratio = w["ratio_to_sse"].get(name) if name != "sse" else 1.0
+        lines.append(f"| {name} | {_f(w['bytes_per_token'].get(name))} | {_f(sse_ratio, 2)}x |")
     lines.append("\nTarget: msgpack ≤ 0.35x the SSE chunk.")
     idle = r["idle"]
     lines += [

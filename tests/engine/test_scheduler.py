@@ -1,0 +1,461 @@
+"""The scheduler with a fake runner: no model, no torch.
+
+The fake runner keeps, for every slot, the token id fed at each position (a stand-in for its K/V), applies
+the scheduler's moves and swaps to those lists, and checks before every forward that a sequence's slot
+holds exactly that sequence's earlier tokens. Its "model" picks the next token from the whole token
+prefix, so a request's output is the same however it was batched, chunked, moved or preempted — and any
+KV mix-up changes it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server.engine.api import SamplingParams, StepOutput
+from server.engine.kv_cache import Move, SlotTable, Swap
+from server.engine.scheduler import Batch, QueueFull, Scheduler, SchedulerConfig
+
+VOCAB = 50
+EOS = 0
+
+
+def fake_decode(ids: Sequence[int]) -> str:
+    return "".join(chr(ord("a") + (t % 26)) for t in ids)
+
+
+def next_token(prefix: Sequence[int]) -> int:
+    """The fake model: a deterministic function of the whole prefix, never EOS."""
+    h = 7
+    for t in prefix:
+        h = (h * 31 + t) % 1_000_003
+    return 1 + h % (VOCAB - 1)
+
+
+class FakeRunner:
+    def __init__(self, pools: Sequence[tuple[int, int]]) -> None:
+        self.kv = {(p, s): [-1] * length for p, (n, length) in enumerate(pools) for s in range(n)}
+        self.fed = 0  # tokens fed in total (prefill plus decode)
+        self.steps: list[Batch] = []
+
+    def step(self, batch: Batch) -> list[int]:
+        for op in batch.ops:
+            if isinstance(op, Move):
+                self.kv[op.dst][: op.length] = self.kv[op.src][: op.length]
+            elif isinstance(op, Swap):
+                a, b = self.kv[op.a], self.kv[op.b]
+                a[: op.length], b[: op.length] = b[: op.length], a[: op.length]
+        out = []
+        seen = set()
+        for w in batch.work:
+            assert w.seq.slot is not None
+            assert w.seq.slot not in seen, "two sequences in one slot"
+            seen.add(w.seq.slot)
+            kv = self.kv[w.seq.slot]
+            assert w.start + w.n <= len(kv), "fed past the end of the slot: KV budget exceeded"
+            assert kv[: w.start] == w.seq.tokens[: w.start], f"{w.seq.key}: slot holds other tokens"
+            kv[w.start : w.start + w.n] = w.ids
+            self.fed += w.n
+            if w.sample:
+                out.append(next_token(w.seq.tokens[: w.start + w.n]))
+        self.steps.append(batch)
+        return out
+
+
+def make(
+    pools: Sequence[tuple[int, int]] = ((8, 64),),
+    *,
+    max_running: int = 8,
+    prefill_tokens: int = 32,
+    max_waiting: int = 64,
+    reuse: bool = True,
+    clock: list[float] | None = None,
+) -> tuple[Scheduler, FakeRunner]:
+    cfg = SchedulerConfig(
+        pools=tuple(pools),
+        max_running=max_running,
+        prefill_tokens=prefill_tokens,
+        max_waiting=max_waiting,
+        eos_ids=frozenset({EOS}),
+        prefix_reuse=reuse,
+    )
+    now = clock if clock is not None else [0.0]
+    return Scheduler(cfg, fake_decode, clock=lambda: now[0]), FakeRunner(pools)
+
+
+def step(s: Scheduler, r: FakeRunner) -> list[StepOutput]:
+    batch = s.schedule()
+    outs = s.postprocess(batch, r.step(batch))
+    s.table.check()
+    for seq in s.running:
+        assert seq.slot is not None and seq.kv_len <= s.table.slot_len(seq.slot[0])
+    return outs
+
+
+def run(s: Scheduler, r: FakeRunner, limit: int = 10_000) -> dict[str, list[StepOutput]]:
+    outs: dict[str, list[StepOutput]] = {}
+    for _ in range(limit):
+        if not s.has_work():
+            return outs
+        for o in step(s, r):
+            outs.setdefault(o.key, []).append(o)
+    raise AssertionError("scheduler did not finish")
+
+
+def reference(prompt: Sequence[int], max_tokens: int) -> list[int]:
+    toks = list(prompt)
+    for _ in range(max_tokens):
+        toks.append(next_token(toks))
+    return toks[len(prompt) :]
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [1 + (i * 7 + salt * 13) % (VOCAB - 1) for i in range(n)]
+
+
+def greedy(max_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+
+
+def check_stream(outs: list[StepOutput], expected: list[int], start: int = 0) -> None:
+    pos = start
+    for o in outs:
+        assert o.offset == pos
+        assert len(o.token_ids) == o.n
+        pos += o.n
+    assert [t for o in outs for t in o.token_ids] == expected
+    assert "".join(o.text for o in outs) == fake_decode(expected)
+    assert outs[-1].finish is not None and all(o.finish is None for o in outs[:-1])
+
+
+# ---- the module itself ---------------------------------------------------------------------------
+
+
+def test_scheduler_never_imports_torch() -> None:
+    code = (
+        "import sys; import server.engine.scheduler, server.engine.kv_cache; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'transformers'))]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---- admission, budgets, fairness ----------------------------------------------------------------
+
+
+def test_admission_respects_max_running_and_waiting_ones_join_as_others_finish() -> None:
+    s, r = make(((8, 64),), max_running=2)
+    lens = {"a": 3, "b": 9, "c": 4, "d": 2}
+    for i, (k, n) in enumerate(lens.items()):
+        s.add(k, prompt(5, i), greedy(n))
+    admitted_at: dict[str, int] = {}
+    finished_at: dict[str, int] = {}
+    outs: dict[str, list[StepOutput]] = {}
+    for i in range(40):
+        if not s.has_work():
+            break
+        assert len(s.running) <= 2
+        for o in step(s, r):
+            outs.setdefault(o.key, []).append(o)
+            if o.finish:
+                finished_at[o.key] = i
+        for seq in s.running:
+            admitted_at.setdefault(seq.key, i)
+    assert sorted(admitted_at, key=admitted_at.__getitem__) == ["a", "b", "c", "d"]  # FIFO
+    # c joins the step after a leaves, while b is still decoding: iteration-level batching.
+    assert admitted_at["c"] == finished_at["a"] + 1 < finished_at["b"]
+    for i, (k, n) in enumerate(lens.items()):
+        check_stream(outs[k], reference(prompt(5, i), n))
+
+
+def test_chunked_prefill_stays_within_budget_and_never_stalls_decoding() -> None:
+    s, r = make(((4, 512),), prefill_tokens=16)
+    s.add("short", prompt(4), greedy(30))
+    step(s, r)  # short is prefilled and decoding
+    s.add("long", prompt(100, 1), greedy(5))
+    chunks = []
+    first: list[StepOutput] = []
+    while any(q.key == "long" for q in s.waiting) or s.by_key["long"].kv_len < 100:
+        batch = s.schedule()
+        decode = [w for w in batch.work if w.seq.key == "short"]
+        assert len(decode) == 1 and decode[0].n == 1  # short gets its token every step
+        prefill = sum(w.n for w in batch.work if w.seq.key == "long")
+        assert prefill <= 16
+        chunks.append(prefill)
+        first += [o for o in s.postprocess(batch, r.step(batch)) if o.key == "long"]
+    assert chunks == [16] * 6 + [4]
+    outs = run(s, r)
+    check_stream(first + outs["long"], reference(prompt(100, 1), 5))
+
+
+def test_a_request_arriving_while_31_decode_gets_its_first_token_in_the_next_step() -> None:
+    s, r = make(((40, 256),), max_running=32, prefill_tokens=256)
+    for i in range(31):
+        s.add(f"r{i}", prompt(20, i), greedy(100))
+    while any(q.kv_len < 20 for q in [*s.running, *s.waiting]):
+        step(s, r)
+    s.add("late", prompt(120, 99), greedy(5))
+    batch = s.schedule()
+    assert sum(1 for w in batch.work if w.n == 1) == 31  # nobody's next token waits for the prefill
+    [late] = [w for w in batch.work if w.seq.key == "late"]
+    assert (late.n, late.sample) == (120, True)  # the whole prompt, and its first token, in this step
+    outs = s.postprocess(batch, r.step(batch))
+    assert [o.token_ids for o in outs if o.key == "late"] == [(reference(prompt(120, 99), 1)[0],)]
+
+
+def test_kv_budget_never_exceeded_and_long_sequences_move_to_the_long_pool() -> None:
+    pools = ((4, 16), (1, 64))
+    s, r = make(pools, prefill_tokens=64)
+    s.add("grows", prompt(10), greedy(30))
+    s.add("small", prompt(3, 1), greedy(4))
+    outs = run(s, r)  # step() checks kv_len <= slot length and the slot table after every step
+    moves = [op for b in r.steps for op in b.ops if isinstance(op, Move) and op.src[0] != op.dst[0]]
+    assert moves and moves[0].src[0] == 0 and moves[0].dst[0] == 1  # promoted with its KV
+    check_stream(outs["grows"], reference(prompt(10), 30))
+    check_stream(outs["small"], reference(prompt(3, 1), 4))
+
+
+def test_preemption_recomputes_and_continues_the_same_stream() -> None:
+    # One long slot for two sequences that both outgrow the short pool: the newer one is preempted.
+    pools = ((4, 16), (1, 64))
+    s, r = make(pools, prefill_tokens=64)
+    s.add("old", prompt(12), greedy(20))
+    s.add("new", prompt(12, 1), greedy(20))
+    outs = run(s, r)
+    assert s.preemptions >= 1
+    assert s.by_key == {}
+    check_stream(outs["old"], reference(prompt(12), 20))
+    check_stream(outs["new"], reference(prompt(12, 1), 20))  # no gap, no repeat, same tokens
+    # Recompute fed the preempted tokens again: more tokens fed than prompts plus completions.
+    assert r.fed > 2 * (12 + 20)
+
+
+def test_preempted_sequence_goes_back_ahead_of_newer_requests() -> None:
+    pools = ((4, 16), (1, 64))
+    s, r = make(pools, prefill_tokens=64, max_running=4)
+    s.add("old", prompt(12), greedy(20))
+    s.add("new", prompt(12, 1), greedy(20))
+    while s.preemptions == 0:
+        step(s, r)
+    s.add("later", prompt(3, 2), greedy(2))
+    assert [q.key for q in s.waiting][:1] == ["new"]
+    assert [q.key for q in s.waiting][-1] == "later"
+
+
+def test_cancel_takes_effect_at_the_next_step() -> None:
+    s, r = make(((2, 64),), max_running=2)
+    s.add("a", prompt(4), greedy(50))
+    s.add("b", prompt(4, 1), greedy(50))
+    s.add("c", prompt(4, 2), greedy(3))
+    step(s, r)
+    step(s, r)
+    assert s.cancel("a") is not None
+    assert s.cancel("c") is not None  # still waiting
+    assert s.cancel("nope") is None
+    batch = s.schedule()
+    assert {w.seq.key for w in batch.work} == {"b"}
+    s.postprocess(batch, r.step(batch))
+    s.table.check()
+    assert s.table.running_in(0) == 1
+
+
+def test_fifo_fairness_under_a_steady_stream() -> None:
+    s, r = make(((3, 64),), max_running=3, prefill_tokens=8)
+    order: list[str] = []
+    for i in range(30):
+        s.add(f"r{i}", prompt(6, i), greedy(1 + (i * 5) % 7))
+        for seq in s.running:
+            if seq.key not in order:
+                order.append(seq.key)
+        step(s, r)
+    run(s, r)
+    assert order == sorted(order, key=lambda k: int(k[1:]))
+
+
+def test_waiting_queue_is_bounded_with_a_retry_estimate() -> None:
+    clock = [0.0]
+    s, r = make(((1, 64),), max_running=1, max_waiting=3, clock=clock)
+    s.add("r0", prompt(4), greedy(3))
+    s.add("r1", prompt(4, 1), greedy(50))
+    while "r1" not in {q.key for q in s.running}:
+        clock[0] += 0.5
+        step(s, r)
+    for i in range(2, 5):
+        s.add(f"r{i}", prompt(4, i), greedy(2))
+    with pytest.raises(QueueFull) as exc:
+        s.add("late", prompt(4), greedy(2))
+    # r0 admitted at 0.5 s and done after 3 steps, r1 admitted at 2 s: one admission every 1.5 s.
+    assert exc.value.retry_after_ms == 1500
+    preempted_are_not_new = s.new_waiting()
+    assert preempted_are_not_new == 3
+    run(s, r)
+    s.add("late", prompt(4), greedy(2))  # room again
+
+
+# ---- output rules: EOS, stop strings, max_tokens, resume ------------------------------------------
+
+
+def test_eos_counts_as_a_token_with_no_text() -> None:
+    s, r = make()
+    s.add("e", prompt(4), greedy(10))
+    step(s, r)  # prefill samples the first token
+    batch = s.schedule()
+    assert len(batch.work) == 1
+    outs = s.postprocess(batch, [EOS])
+    [o] = outs
+    assert o.finish == "stop" and o.token_ids[-1] == EOS
+    assert o.offset + o.n == 2  # first token plus EOS
+    assert s.table.running_in(0) == 0
+
+
+def test_stop_string_ends_the_text_before_it() -> None:
+    expected = reference(prompt(4), 12)
+    text = fake_decode(expected)
+    stop = text[5:7]
+    s, r = make()
+    s.add("s", prompt(4), greedy(12, stop=(stop,)))
+    outs = run(s, r)["s"]
+    assert outs[-1].finish == "stop"
+    assert "".join(o.text for o in outs) == text[: text.index(stop)]
+
+
+def test_max_tokens_counts_resumed_tokens() -> None:
+    full = reference(prompt(4), 10)
+    s, r = make()
+    s.add("r", prompt(4), greedy(10), resume_ids=full[:6])
+    outs = run(s, r)["r"]
+    assert outs[0].offset == 6
+    check_stream(outs, full[6:], start=6)
+    assert outs[-1].finish == "length"
+
+
+# ---- session prefix reuse ------------------------------------------------------------------------
+
+
+def test_session_turn_reuses_the_previous_turns_kv() -> None:
+    s, r = make(((4, 128),), prefill_tokens=256)
+    p1 = prompt(20)
+    s.add("t1", p1, greedy(8), session="S")
+    out1 = run(s, r)["t1"]
+    reply = [t for o in out1 for t in o.token_ids]
+    p2 = p1 + reply + prompt(6, 3)
+    fed_before = r.fed
+    seq = s.add("t2", p2, greedy(8), session="S")
+    out2 = run(s, r)["t2"]
+    check_stream(out2, reference(p2, 8))
+    # Turn 1 left prompt + completion (less the unfed last token) in its slot: turn 2 feeds the rest.
+    assert seq.reused == len(p1) + len(reply) - 1
+    assert r.fed - fed_before == len(p2) - seq.reused + 7
+
+
+def test_reuse_off_feeds_the_whole_prompt_with_the_same_output() -> None:
+    outs = {}
+    for reuse in (True, False):
+        s, r = make(((4, 128),), reuse=reuse)
+        s.add("t1", prompt(20), greedy(8), session="S")
+        reply = [t for o in run(s, r)["t1"] for t in o.token_ids]
+        s.add("t2", prompt(20) + reply + prompt(5, 2), greedy(8), session="S")
+        outs[reuse] = [t for o in run(s, r)["t2"] for t in o.token_ids]
+    assert outs[True] == outs[False]
+
+
+def test_cached_prefixes_are_evicted_lru_when_slots_are_needed() -> None:
+    s, r = make(((2, 64),), max_running=2)
+    for i in range(3):
+        s.add(f"s{i}", prompt(5, i), greedy(3), session=f"S{i}")
+        run(s, r)
+    assert list(s.table.prefixes) == ["S1", "S2"]  # S0 was least recently used
+    s.add("x", prompt(5, 9), greedy(3))
+    s.add("y", prompt(5, 8), greedy(30))
+    step(s, r)
+    assert s.table.prefixes == {}  # two running sequences need both slots
+
+
+def test_slot_table_rejects_bad_pools() -> None:
+    with pytest.raises(ValueError):
+        SlotTable([(4, 64), (2, 16)])
+
+
+# ---- property test: random arrivals, finishes and cancels ------------------------------------------
+
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 40), st.integers(0, 3)),
+        st.tuples(st.just("add"), st.integers(10, 40), st.integers(10, 40), st.integers(0, 3)),
+        st.tuples(st.just("cancel"), st.integers(0, 50), st.just(0), st.just(0)),
+        st.tuples(st.just("step"), st.integers(1, 4), st.just(0), st.just(0)),
+    ),
+    min_size=4,
+    max_size=60,
+)
+pool_sets = st.sampled_from(
+    [((6, 128),), ((3, 24), (2, 128)), ((2, 16), (1, 48), (1, 128)), ((4, 16), (1, 128)), ((1, 128),)]
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    evs=events,
+    pools=pool_sets,
+    budget=st.integers(1, 64),
+    max_running=st.integers(1, 6),
+    reuse=st.booleans(),
+)
+def test_random_workloads_keep_every_invariant(
+    evs: list[tuple[str, int, int, int]],
+    pools: tuple[tuple[int, int], ...],
+    budget: int,
+    max_running: int,
+    reuse: bool,
+) -> None:
+    s, r = make(pools, max_running=max_running, prefill_tokens=budget, max_waiting=1000, reuse=reuse)
+    prompts: dict[str, list[int]] = {}
+    max_tokens: dict[str, int] = {}
+    cancelled: set[str] = set()
+    outs: dict[str, list[StepOutput]] = {}
+    history: dict[int, list[int]] = {}  # session -> its last prompt + completion
+
+    def do_step() -> None:
+        for o in step(s, r):
+            assert o.key not in cancelled
+            outs.setdefault(o.key, []).append(o)
+
+    for i, (kind, a, b, c) in enumerate(evs):
+        if kind == "add":
+            key = f"r{i}"
+            session = c  # 0: no session
+            base = history.get(session, []) if session else []
+            p = (base + prompt(a, i))[-90:]  # a session's next turn extends its history
+            prompts[key], max_tokens[key] = p, b
+            s.add(key, p, greedy(b), session=f"S{session}" if session else "")
+            if session:
+                history[session] = p + reference(p, b)
+        elif kind == "cancel":
+            keys = sorted(prompts, key=lambda k: int(k[1:]))
+            if keys:
+                key = keys[a % len(keys)]
+                if s.cancel(key) is not None:
+                    cancelled.add(key)
+        else:
+            for _ in range(a):
+                do_step()
+    for _ in range(5000):
+        if not s.has_work():
+            break
+        do_step()
+    assert not s.has_work()
+    assert s.table.running_in(0) == 0
+    for key, p in prompts.items():
+        if key in cancelled:
+            continue
+        expected = reference(p, max_tokens[key])
+        expected = expected[: 128 - len(p)]  # the context limit ends a request early ("length")
+        check_stream(outs[key], expected)
+        assert s.by_key.get(key) is None
+        assert outs[key][-1].finish == "length"

@@ -38,8 +38,15 @@ def build_tokenizer() -> Any:
     return fast
 
 
-def build_tiny_model(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64) -> Path:
-    """Write a tiny Llama (config, safetensors, tokenizer) to ``path`` and return it."""
+def build_tiny_model(
+    path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, init_range: float = 0.02
+) -> Path:
+    """Write a tiny Llama (config, safetensors, tokenizer) to ``path`` and return it.
+
+    With the default init the greedy continuation is the same token over and over; ``init_range=0.5``
+    gives peaky logits whose greedy text varies and whose top two logits stay far apart (gaps of 1e-3 and
+    more), so greedy runs are reproducible across batchings and re-prefills despite float rounding.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,6 +64,7 @@ def build_tiny_model(path: Path, *, seed: int = 0, layers: int = 2, hidden: int 
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=True,
+        initializer_range=init_range,
     )
     model = LlamaForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)

@@ -12,14 +12,14 @@ from tests.e2e.serve_process import ServeProcess
 
 MESSAGES = (Message("user", "Tell me a long story about tokens"),)
 # cache=False: the reference run after the restart must generate, not replay "run" from the cache.
-PARAMS = Params(max_tokens=400, temperature=0.9, seed=5, cache=False)
+PARAMS = Params(max_tokens=400, temperature=0, cache=False)  # greedy on a model without near ties
 
 
 async def test_kill9_restart_replays_finished_and_completes_running(
-    tiny_model_dir: Path, tmp_path: Path
+    peaky_model_dir: Path, tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
-    args = ["--model", str(tiny_model_dir)]
+    args = ["--model", str(peaky_model_dir)]
     first = ServeProcess(args, data)
     url = first.start()
     try:

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from server.gateway.server import WS_PATH, Gateway, GatewaySettings
+from server.gctune import tune_for_long_lived_objects
 from server.store.keys import Keys
 from server.store.requests import RequestStore, Settings
 from server.store.sessions import SessionStore, shared_secret
@@ -90,6 +91,7 @@ async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gatewa
     sessions = SessionStore(h.r, h.store.keys, secret, cfg.store.session_ttl_ms)
     gateway = Gateway(h.store, sessions, h.reader, cfg.gateway, ready=ready, name=cfg.name)
     port = await gateway.start()
+    tune_for_long_lived_objects()
     # The line tests and scripts wait for; stdout, unbuffered.
     print(f"tokenwire listening on ws://{cfg.gateway.host}:{port}{WS_PATH}", flush=True)
     return gateway

@@ -8,6 +8,7 @@ import asyncio
 import sys
 from typing import Any
 
+from server.gctune import tune_for_long_lived_objects
 from server.load.options import LoadConfig, add_arguments, config_from_args
 
 
@@ -54,6 +55,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"tokenwire load: {exc}", file=sys.stderr)
         return 2
     progress = not args.no_progress and sys.stderr.isatty()
+    tune_for_long_lived_objects()  # thousands of idle connections: GC pauses would show up as RTT
     report = asyncio.run(run(cfg, progress=progress))
     return exit_status(report)
 

@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_engine:
         _run(_tw("bench", "--json", str(engine_json), "--turns", "10"), 3600)
     results["engine"] = json.loads(engine_json.read_text())
+    if args.skip_engine:
+        mtime = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(engine_json.stat().st_mtime))
+        results["engine_from"] = f"{engine_json} (an earlier `tokenwire bench` run, {mtime})"
 
     data = work / "serve-data"
     with _Server(
@@ -169,6 +172,11 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         "",
         "## Engine (`tokenwire bench --turns 10`)",
         "",
+        *(
+            [f"This table was not re-measured in this run: it is read from {r['engine_from']}.", ""]
+            if r.get("engine_from")
+            else []
+        ),
         "32 chat requests, output lengths drawn from 16-128, EOS ignored (every path does the same work).",
         "",
         "| path | useful tok/s | vs engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",

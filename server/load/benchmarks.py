@@ -228,7 +228,7 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         "| --- | ---: |",
         f"| requests ok / failed | {ld['requests']['ok']} / {ld['requests']['failed']} |",
         f"| tokens/s end to end | {_f(e2e)} |",
-        f"| engine-only tokens/s (engine path above, same run) | {_f(eng)} |",
+        f"| engine-only tokens/s (the engine path of the table above) | {_f(eng)} |",
         f"| end to end / engine-only | {e2e / eng:.2f}x (target ≥ 0.85x) |" if eng else "| ratio | — |",
         f"| TTFT p50 / p95 / p99 ms | {_f(ld['ttft_ms'].get('p50'), 0)} / "
         f"{_f(ld['ttft_ms'].get('p95'), 0)} / {_f(ld['ttft_ms'].get('p99'), 0)} |",

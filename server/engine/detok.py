@@ -60,6 +60,25 @@ class Detokenizer:
         self._prefix_text = self.decode(self.ids[self._prefix :])
         return self._emit(final=False)
 
+    def push(self, token: int, *, eos: bool, at_length: bool) -> tuple[int, str, str | None]:
+        """The engines' output rules for one new token: ``(n tokens, text, finish reason or None)``.
+
+        EOS is a completion token with no text (``stop``); a stop string ends the text just before it
+        (``stop``); ``at_length`` (max_tokens or the context reached with this token) flushes whatever is
+        held (``length``). ``n`` is 0 when everything is held back for now.
+        """
+        if eos:
+            em = self.finish()
+            return (em.n if em else 0) + 1, em.text if em else "", "stop"
+        em = self.add(token)
+        if em is not None and em.stopped:
+            return em.n, em.text, "stop"
+        if at_length:
+            tail = self.finish()
+            n = (em.n if em else 0) + (tail.n if tail else 0)
+            return n, (em.text if em else "") + (tail.text if tail else ""), "length"
+        return (em.n, em.text, None) if em is not None else (0, "", None)
+
     def finish(self) -> Emission | None:
         """Flush what is held (an incomplete character comes out as U+FFFD)."""
         if self.pending and self.decode(self.ids).startswith(self.text):

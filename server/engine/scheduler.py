@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from server.engine.api import SamplingParams, StepOutput
-from server.engine.detok import Detokenizer, Emission
+from server.engine.detok import Detokenizer
 from server.engine.kv_cache import CachedPrefix, Op, SlotRef, SlotTable
 
 
@@ -253,26 +253,15 @@ class Scheduler:
     # ---- internals ---------------------------------------------------------------------------------
 
     def _emit(self, seq: Seq, token: int) -> StepOutput | None:
-        """The engine's output rules (as in SimpleEngine): EOS is a completion token with no text;
-        stop strings end the text before them; max_tokens counts resumed tokens."""
+        """The output rules (Detokenizer.push, shared with SimpleEngine): EOS is a completion token
+        with no text; stop strings end the text before them; max_tokens counts resumed tokens."""
         p = seq.params
-        total = seq.completion_len
         start = seq.offset
-        finish: str | None = None
-        if token in self.cfg.eos_ids and not p.ignore_eos:
-            em = seq.detok.finish()
-            finish = "stop"
-            n = (em.n if em else 0) + 1
-            text = em.text if em else ""
-        else:
-            em = seq.detok.add(token)
-            if em is not None and em.stopped:
-                finish = "stop"
-            elif total >= p.max_tokens or len(seq.tokens) >= self.max_context:
-                em = _merge(em, seq.detok.finish())
-                finish = "length"
-            n = em.n if em else 0
-            text = em.text if em else ""
+        n, text, finish = seq.detok.push(
+            token,
+            eos=token in self.cfg.eos_ids and not p.ignore_eos,
+            at_length=seq.completion_len >= p.max_tokens or len(seq.tokens) >= self.max_context,
+        )
         if n == 0 and finish is None:
             return None
         seq.offset += n
@@ -370,11 +359,3 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _merge(a: Emission | None, b: Emission | None) -> Emission | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return Emission(a.n + b.n, a.text + b.text, a.stopped or b.stopped)

@@ -165,23 +165,11 @@ class SimpleEngine:
         p = s.req.params
         total = len(s.req.resume_ids) + s.generated
         start = s.offset
-        finish: str | None = None
-        if token in self.m.eos_ids and not p.ignore_eos:
-            # EOS is a token of the completion (it is counted) but has no text.
-            em = s.detok.finish()
-            finish = "stop"
-            n = (em.n if em else 0) + 1
-            text = em.text if em else ""
-        else:
-            em = s.detok.add(token)
-            if em is not None and em.stopped:
-                finish = "stop"
-            elif total >= p.max_tokens or len(s.prompt_ids) + total >= self.max_context:
-                tail = s.detok.finish()
-                em = _merge(em, tail)
-                finish = "length"
-            n = em.n if em else 0
-            text = em.text if em else ""
+        n, text, finish = s.detok.push(
+            token,
+            eos=token in self.m.eos_ids and not p.ignore_eos,
+            at_length=total >= p.max_tokens or len(s.prompt_ids) + total >= self.max_context,
+        )
         if n == 0 and finish is None:
             return None
         s.offset += n
@@ -194,13 +182,3 @@ class SimpleEngine:
             finish=finish,
             prompt_tokens=len(s.prompt_ids),
         )
-
-
-def _merge(a: Any, b: Any) -> Any:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    a.n += b.n
-    a.text += b.text
-    return a

@@ -69,3 +69,15 @@ def test_emissions_cover_every_token_and_the_text(text: str, stops: list[str]) -
     else:
         assert emitted == text
         assert sum(n for n, _ in out) == len(text.encode())
+
+
+def test_push_applies_eos_stop_and_length_rules() -> None:
+    d = Detokenizer(decode, ("END",))
+    assert d.push(ord("a"), eos=False, at_length=False) == (1, "a", None)
+    assert d.push(ord("E"), eos=False, at_length=False) == (0, "", None)  # held: may start END
+    assert d.push(ord("x"), eos=False, at_length=True) == (2, "Ex", "length")  # length flushes what is held
+    d = Detokenizer(decode)
+    assert d.push(0xC3, eos=False, at_length=False) == (0, "", None)  # half of "é"
+    assert d.push(2, eos=True, at_length=False) == (2, "\ufffd", "stop")  # EOS counts, has no text
+    d = Detokenizer(decode, ("END",))
+    assert [d.push(b, eos=False, at_length=False) for b in b"hiEND"][-1] == (3, "", "stop")

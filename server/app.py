@@ -97,7 +97,7 @@ async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gatewa
     return gateway
 
 
-def build_engine(loaded: Any, cfg: ServeConfig) -> Any:
+def build_engine(loaded: Any) -> Any:
     """The engine for a loaded model (the one place that picks the engine implementation)."""
     from server.engine.engine import engine_for
 
@@ -115,7 +115,7 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles) -> Any:
     loaded = await asyncio.get_running_loop().run_in_executor(
         None, lambda: load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     )
-    worker = Worker(h.store, build_engine(loaded, cfg), name=cfg.name, max_running=cfg.max_running)
+    worker = Worker(h.store, build_engine(loaded), name=cfg.name, max_running=cfg.max_running)
     await worker.start()
     print(f"tokenwire ready: model {loaded.name} on {loaded.device} (worker {worker.name})", flush=True)
     return worker

@@ -221,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--key-prefix", default="tw:")
     k.add_argument("--model")
     k.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
+    k.add_argument(
+        "--pin-workers",
+        action="store_true",
+        help="pin worker i to CPU i (round robin over this process's CPUs), as taskset would: each "
+        "worker then uses one core whatever its threads; gateways and Redis are left unpinned",
+    )
     k.add_argument("--lease-ttl", type=float, default=10.0)
     k.add_argument("--log-level", default="info")
     k.set_defaults(func=_cluster)

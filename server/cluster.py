@@ -49,6 +49,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         args.log_level,
     ]
     procs: dict[str, subprocess.Popen[str]] = {}
+    cpus = sorted(os.sched_getaffinity(0))
     readies: list[threading.Event] = []
     stopping = threading.Event()
 
@@ -62,7 +63,10 @@ def run_cluster(args: argparse.Namespace) -> int:
             wargs = ["worker", *common, "--name", f"worker-{i}", "--threads", str(args.threads_per_worker)]
             if args.model:
                 wargs += ["--model", args.model]
-            procs[f"worker-{i}"] = _spawn(f"worker-{i}", wargs)
+            procs[f"worker-{i}"] = proc = _spawn(f"worker-{i}", wargs)
+            if args.pin_workers:
+                # Set before the child has imported torch, so its every thread inherits the one CPU.
+                os.sched_setaffinity(proc.pid, {cpus[i % len(cpus)]})
         for i in range(args.gateways):
             gargs = [
                 "gateway",

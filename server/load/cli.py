@@ -12,10 +12,13 @@ from server.gctune import tune_for_long_lived_objects
 from server.load.options import LoadConfig, add_arguments, config_from_args
 
 
-async def run(cfg: LoadConfig, *, progress: bool) -> dict[str, Any]:
-    """Run ``cfg``, print the table, write ``--json``/``--plot``; returns the report."""
+async def run(cfg: LoadConfig, *, progress: bool, engine: Any = None) -> dict[str, Any]:
+    """Run ``cfg``, print the table, write ``--json``/``--plot``; returns the report.
+
+    With ``engine`` (an engine not yet started) the workload goes straight into it (``--engine-only``).
+    """
     from server.load.report import build_report, print_table, write_json, write_plot
-    from server.load.runner import run_load
+    from server.load.runner import RunState, run_load
 
     live = None
     if progress:
@@ -23,7 +26,15 @@ async def run(cfg: LoadConfig, *, progress: bool) -> dict[str, Any]:
 
         live = LiveView()
     try:
-        result = await run_load(cfg, on_state=live.attach if live is not None else None)
+        if engine is not None:
+            from server.load.engine_only import run_engine_only
+
+            state = RunState(cfg)
+            if live is not None:
+                live.attach(state, None)
+            result = await run_engine_only(state, engine)
+        else:
+            result = await run_load(cfg, on_state=live.attach if live is not None else None)
     finally:
         if live is not None:
             await live.close()
@@ -34,6 +45,18 @@ async def run(cfg: LoadConfig, *, progress: bool) -> dict[str, Any]:
     if cfg.plot_path is not None:
         write_plot(result, report, cfg.plot_path)
     return report
+
+
+def _load_engine(model: str | None, threads: int | None) -> Any:
+    """The engine ``tokenwire serve`` would build for this model, in this process."""
+    from server.app import build_engine
+    from server.engine.model import load_model
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return build_engine(load_model(model))
 
 
 def exit_status(report: dict[str, Any]) -> int:
@@ -55,8 +78,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"tokenwire load: {exc}", file=sys.stderr)
         return 2
     progress = not args.no_progress and sys.stderr.isatty()
+    engine = _load_engine(args.model, args.threads) if args.engine_only else None
     tune_for_long_lived_objects()  # thousands of idle connections: GC pauses would show up as RTT
-    report = asyncio.run(run(cfg, progress=progress))
+    report = asyncio.run(run(cfg, progress=progress, engine=engine))
     return exit_status(report)
 
 

@@ -21,6 +21,7 @@ from server.load.connection import LoadClient, ServerError
 from server.load.integrity import StreamCheck, Violation, replay_and_compare
 
 if TYPE_CHECKING:
+    from server.load.options import LoadConfig
     from server.load.runner import RunState
 
 MAX_CONNECT_FAILURES = 6
@@ -133,6 +134,45 @@ class RequestRecord:
         return self.first_at - self.sent_at
 
 
+def draw_request(
+    cfg: LoadConfig,
+    rng: random.Random,
+    tag: str,
+    user: int,
+    conversation: int,
+    turn: int,
+    subprotocol: str,
+) -> tuple[Chat, RequestRecord]:
+    """The next chat of a conversation, drawn from its seeded ``rng``: prompt, lengths, sampling seed and
+    (with ``--drop-rate``) the token at which its connection will be killed. The engine-only run draws
+    through here too, so both runs of ``make bench`` ask for exactly the same work."""
+    words = cfg.prompt_words.draw(rng, 4000)
+    max_tokens = cfg.max_tokens.draw(rng, 8192)
+    kill_at = rng.randint(1, max(1, max_tokens - 1)) if rng.random() < cfg.drop_rate else None
+    rid = f"{tag}-{user}-{conversation}-{turn}"
+    chat = Chat(
+        id=rid,
+        content=prompt_text(rng, words, turn),
+        params=Params(
+            max_tokens=max_tokens,
+            temperature=cfg.temperature,
+            seed=rng.getrandbits(62),
+            cache=None if cfg.cache else False,
+        ),
+    )
+    rec = RequestRecord(
+        id=rid,
+        user=user,
+        conversation=conversation,
+        turn=turn,
+        subprotocol=subprotocol,
+        max_tokens=max_tokens,
+        prompt_words=words,
+        kill_at=kill_at,
+    )
+    return chat, rec
+
+
 class _Killed(Exception):
     """The load tool itself dropped the connection (a planned kill)."""
 
@@ -203,32 +243,10 @@ class Conversation:
         return c
 
     def _new_request(self, turn: int) -> tuple[RequestRecord, _Live]:
-        cfg, rng = self.state.cfg, self.rng
-        words = cfg.prompt_words.draw(rng, 4000)
-        max_tokens = cfg.max_tokens.draw(rng, 8192)
-        kill_at = rng.randint(1, max(1, max_tokens - 1)) if rng.random() < cfg.drop_rate else None
-        rid = f"{self.state.tag}-{self.user}-{self.conversation}-{turn}"
-        chat = Chat(
-            id=rid,
-            content=prompt_text(rng, words, turn),
-            params=Params(
-                max_tokens=max_tokens,
-                temperature=cfg.temperature,
-                seed=rng.getrandbits(62),
-                cache=None if cfg.cache else False,
-            ),
+        chat, rec = draw_request(
+            self.state.cfg, self.rng, self.state.tag, self.user, self.conversation, turn, self.subprotocol
         )
-        rec = RequestRecord(
-            id=rid,
-            user=self.user,
-            conversation=self.conversation,
-            turn=turn,
-            subprotocol=self.subprotocol,
-            max_tokens=max_tokens,
-            prompt_words=words,
-            kill_at=kill_at,
-        )
-        return rec, _Live(chat=chat, check=StreamCheck(rid), kill_at=kill_at)
+        return rec, _Live(chat=chat, check=StreamCheck(chat.id), kill_at=rec.kill_at)
 
     async def _request(self, turn: int) -> RequestRecord:
         rec, live = self._new_request(turn)

@@ -140,7 +140,15 @@ class LoadConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``tokenwire load``."""
-    p.add_argument("url", help="the server's WebSocket URL, e.g. ws://127.0.0.1:8765/v1/ws")
+    p.add_argument("url", nargs="?", help="the server's WebSocket URL, e.g. ws://127.0.0.1:8765/v1/ws")
+    e = p.add_argument_group("engine only (no server: the overhead baseline)")
+    e.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="no URL: load the model here and feed the same workload straight into the engine",
+    )
+    e.add_argument("--model", help="with --engine-only: a model folder (default: the packaged SmolLM2)")
+    e.add_argument("--threads", type=int, help="with --engine-only: torch CPU threads (default: torch's)")
     w = p.add_argument_group("workload")
     w.add_argument(
         "--users",
@@ -230,8 +238,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    if args.engine_only == bool(args.url):
+        raise ValueError("give the server's URL, or --engine-only (not both)")
+    if args.engine_only and (args.idle or args.drop_rate):
+        raise ValueError("--engine-only has no connections: no --idle, no --drop-rate")
+    if not args.engine_only and (args.model or args.threads):
+        raise ValueError("--model and --threads go with --engine-only")
     return LoadConfig(
-        url=args.url,
+        url=args.url or "engine-only",
         users=args.users,
         rate=args.rate,
         turns=args.turns,

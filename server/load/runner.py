@@ -19,7 +19,7 @@ import os
 import random
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from protocol import JSON_SUBPROTOCOL, MSGPACK_SUBPROTOCOL
@@ -115,26 +115,43 @@ class LoadResult:
     open_files_limit: int = 0
 
 
-async def _closed_loop(state: RunState) -> None:
+ConversationRunner = Callable[[int, int], Awaitable[None]]  # (user or arrival index, conversation no.)
+
+
+def websocket_conversation(state: RunState) -> ConversationRunner:
+    """Conversations over WebSocket against ``state.cfg.url``."""
+
+    async def run(user: int, conversation: int) -> None:
+        await Conversation(state, user, conversation, state.subprotocol(user)).run()
+
+    return run
+
+
+async def drive(state: RunState, conversation: ConversationRunner) -> None:
+    """Run conversations in the configured loop (closed, or open with ``--rate``) until the bounds."""
+    await (_open_loop(state, conversation) if state.cfg.rate else _closed_loop(state, conversation))
+
+
+async def _closed_loop(state: RunState, conversation: ConversationRunner) -> None:
     async def user(u: int) -> None:
         conv = 0
         while not state.exhausted():
-            await Conversation(state, u, conv, state.subprotocol(u)).run()
+            await conversation(u, conv)
             conv += 1
 
     await asyncio.gather(*(user(u) for u in range(state.cfg.users)))
 
 
-async def _open_loop(state: RunState) -> None:
+async def _open_loop(state: RunState, conversation: ConversationRunner) -> None:
     cfg = state.cfg
     assert cfg.rate is not None
     rng = random.Random(f"{cfg.seed}:arrivals")
     cap = asyncio.Semaphore(cfg.users)
     tasks: set[asyncio.Task[None]] = set()
 
-    async def conversation(i: int) -> None:
+    async def arrival(i: int) -> None:
         try:
-            await Conversation(state, i, 0, state.subprotocol(i)).run()
+            await conversation(i, 0)
         finally:
             cap.release()
 
@@ -148,7 +165,7 @@ async def _open_loop(state: RunState) -> None:
             break
         await cap.acquire()
         state.arrival_lags.append(max(0.0, state.now() - due))
-        t = asyncio.create_task(conversation(i), name=f"conversation-{i}")
+        t = asyncio.create_task(arrival(i), name=f"conversation-{i}")
         tasks.add(t)
         t.add_done_callback(tasks.discard)
         i += 1
@@ -178,7 +195,7 @@ async def run_load(
             await asyncio.sleep(cfg.duration or 0.0)
             window = state.now()
         else:
-            await (_open_loop(state) if cfg.rate else _closed_loop(state))
+            await drive(state, websocket_conversation(state))
             ends = [r.done_at for r in state.records if r.done_at is not None]
             window = max(ends) if ends else state.now()
     finally:

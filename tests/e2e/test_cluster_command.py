@@ -45,6 +45,7 @@ async def test_cluster_command_serves_on_every_gateway_and_stops_on_ctrl_c(
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "server.cli", "cluster", "--gateways", "2", "--workers", "2",
         "--port", str(port), "--redis-url", redis_url, "--key-prefix", prefix, "--model", str(tiny_model_dir),
+        "--pin-workers",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
@@ -63,6 +64,20 @@ async def test_cluster_command_serves_on_every_gateway_and_stops_on_ctrl_c(
             await c.close()
         children = _children(proc.pid)
         assert len(children) == 4
+        # --pin-workers: each worker (every thread of it) on one CPU, round robin; gateways unpinned.
+        ours = sorted(os.sched_getaffinity(0))
+        pinned = {}
+        for c in children:
+            argv = (Path("/proc") / str(c) / "cmdline").read_bytes().split(b"\0")
+            cpus = os.sched_getaffinity(c)
+            if b"worker" in argv:
+                name = argv[argv.index(b"--name") + 1].decode()
+                pinned[name] = cpus
+                for t in (Path("/proc") / str(c) / "task").iterdir():
+                    assert os.sched_getaffinity(int(t.name)) == cpus
+            else:
+                assert cpus == set(ours)
+        assert pinned == {f"worker-{i}": {ours[i % len(ours)]} for i in range(2)}
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         assert not [c for c in children if _alive(c)]

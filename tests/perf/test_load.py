@@ -153,3 +153,52 @@ def test_requests_are_seeded_unique_and_skip_the_response_cache() -> None:
     assert chat(cfg, 1, 3, 0)[1].chat.params.seed != live_a.chat.params.seed
     cached = LoadConfig(url="ws://unused/v1/ws", requests=1, cache=True)
     assert chat(cached, 1, 2, 0)[1].chat.params.cache is None
+
+
+async def test_engine_only_runs_the_same_workload_as_the_server(
+    served: ServeProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """--engine-only draws the same requests and builds the same prompts as the WebSocket users: with one
+    user (so the same conversations run in the same order) and greedy decoding, both runs produce exactly
+    the same prompt and completion token counts."""
+    from server.load.cli import _load_engine
+
+    def cfg(url: str) -> LoadConfig:
+        return LoadConfig(
+            url=url,
+            users=1,
+            requests=5,
+            turns=2,
+            temperature=0.0,
+            max_tokens=Dist("uniform", 4, 24),
+            prompt_words=Dist("uniform", 4, 16),
+            seed=7,
+        )
+
+    over_ws = await run(cfg(served.url), progress=False)
+    engine_only = await run(
+        cfg("engine-only"), progress=False, engine=_load_engine(str(tiny_model_dir), None)
+    )
+    _check_counts(engine_only)
+    assert engine_only["servers"] == ["engine-only"]
+    assert engine_only["requests"]["ok"] == over_ws["requests"]["ok"] == 5
+    for key in ("completion", "prompt"):
+        assert engine_only["tokens"][key] == over_ws["tokens"][key], key
+    assert engine_only["tokens"]["per_s"] > 0 and engine_only["ttft_ms"]["n"] == 5
+    assert not engine_only["wire"]["measured"]  # no wire: nothing to count
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--engine-only", "ws://127.0.0.1:1/v1/ws"], "not both"),
+        ([], "give the server's URL"),
+        (["--engine-only", "--idle", "5"], "no --idle"),
+        (["ws://127.0.0.1:1/v1/ws", "--threads", "1"], "go with --engine-only"),
+    ],
+)
+def test_engine_only_flags_are_checked(args: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", "load", *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr

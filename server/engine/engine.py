@@ -3,7 +3,6 @@ pass per step, and hands each step's outputs (every sequence's new tokens togeth
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -13,11 +12,12 @@ import structlog
 import torch
 
 from server.engine import llama
-from server.engine.api import Engine, EngineOverloaded, GenerationRequest, StepCallback, StepOutput
+from server.engine.api import Engine, EngineOverloaded, GenerationRequest, StepOutput
 from server.engine.model import LoadedModel
-from server.engine.prompt import PromptTooLarge, fit_messages
+from server.engine.prompt import PromptTooLarge, prompt_ids_for
 from server.engine.runner import Runner, kv_bytes_per_token
 from server.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from server.engine.threaded import ThreadedEngine, error_output
 
 log = structlog.get_logger(__name__)
 
@@ -95,24 +95,20 @@ def default_config(
     )
 
 
-class BatchingEngine:
-    """Engine protocol (api.py) over a Scheduler and a Runner, on its own thread."""
+class BatchingEngine(ThreadedEngine):
+    """Engine protocol (api.py) over a Scheduler and a Runner, on its own thread (threaded.py)."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, **overrides: Any) -> None:
+        super().__init__()
         self.m = loaded
         self.config = config or default_config(loaded, **overrides)
         self.max_context = self.config.max_context
         self.max_prompt_tokens = self.config.max_context - 1
         self.runner = Runner(loaded.model, self.config.pools, device=loaded.device, dtype=loaded.dtype)
         self.sched = self._new_scheduler()
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._running = False
         self._lock = threading.Lock()
         self._inbox_submits = 0  # submitted, not yet taken by the engine thread
         self._sched_waiting = 0  # new requests waiting in the scheduler (engine thread's view)
-        self.requests_started = 0  # generations begun: the tests' "generated exactly once" counter
-        self.tokens_generated = 0
         self.steps = 0
         self.step_seconds = 0.0  # time inside steps (forward + sampling + bookkeeping)
 
@@ -130,28 +126,13 @@ class BatchingEngine:
 
     # ---- Engine protocol (any thread) ---------------------------------------------------------------
 
-    def start(self, on_step: StepCallback) -> None:
-        self._on_step = on_step
-        self._running = True
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._thread.start()
-
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; raises EngineOverloaded (nothing queued) when the waiting queue is full."""
         with self._lock:
             if self._inbox_submits + self._sched_waiting >= self.config.max_waiting:
                 raise EngineOverloaded(self.retry_after_ms())
             self._inbox_submits += 1
-        self._inbox.put(("submit", request))
-
-    def cancel(self, key: str) -> None:
-        self._inbox.put(("cancel", key))
-
-    def stop(self) -> None:
-        self._running = False
-        self._inbox.put(("stop", None))
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        super().submit(request)
 
     def retry_after_ms(self) -> int:
         """Estimated wait until the waiting queue has room again."""
@@ -159,72 +140,44 @@ class BatchingEngine:
 
     # ---- engine thread -----------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while self._running:
-            outs: list[StepOutput] = []
-            block = not self.sched.has_work()
-            try:
-                while True:
-                    kind, arg = self._inbox.get(block=block, timeout=None if block else 0)
-                    block = False
-                    if kind == "stop":
-                        return
-                    if kind == "cancel":
-                        self.sched.cancel(arg)
-                    else:
-                        with self._lock:
-                            self._inbox_submits -= 1
-                        try:
-                            self._intake(arg, outs)
-                        except Exception as exc:  # a request that cannot even be read fails alone
-                            log.exception("engine.intake_failed", key=arg.key)
-                            outs.append(
-                                _error(arg.key, len(arg.resume_ids), "internal", f"bad request: {exc}")
-                            )
-            except queue.Empty:
-                pass
-            if self.sched.has_work():
-                outs.extend(self._step())
-            with self._lock:
-                self._sched_waiting = self.sched.new_waiting()
-            if outs:
-                try:
-                    self._on_step(outs)
-                except Exception:  # the receiver's problem (e.g. its loop is closing): keep going
-                    log.exception("engine.on_step_failed")
+    def _has_work(self) -> bool:
+        return self.sched.has_work()
+
+    def _drop(self, key: str) -> None:
+        self.sched.cancel(key)
+
+    def _taken(self) -> None:
+        with self._lock:
+            self._inbox_submits -= 1
+
+    def _after_step(self) -> None:
+        with self._lock:
+            self._sched_waiting = self.sched.new_waiting()
 
     def _step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
-        try:
-            batch = self.sched.schedule()
-            tokens = self.runner.step(batch)
-            outs = self.sched.postprocess(batch, tokens)
-        except Exception as exc:  # never let one bad step kill the engine thread
-            log.exception("engine.step_failed")
-            outs = [
-                _error(s.key, s.offset, "internal", f"engine error: {exc}") for s in self.sched.finish_all()
-            ]
-            self.sched = self._new_scheduler()  # the slot table may be half-updated: start clean
-            return outs
+        batch = self.sched.schedule()
+        tokens = self.runner.step(batch)
+        outs = self.sched.postprocess(batch, tokens)
         self.tokens_generated += len(tokens)
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
         return outs
 
+    def _fail_running(self, exc: Exception) -> list[StepOutput]:
+        outs = [
+            error_output(s.key, s.offset, "internal", f"engine error: {exc}") for s in self.sched.finish_all()
+        ]
+        self.sched = self._new_scheduler()  # the slot table may be half-updated: start clean
+        return outs
+
     def _intake(self, req: GenerationRequest, outs: list[StepOutput]) -> None:
         start = len(req.resume_ids)
         try:
-            if req.prompt_ids is not None:
-                ids = [int(t) for t in req.prompt_ids]
-                if not all(0 <= t < self.runner.shape.vocab for t in ids):
-                    raise ValueError("prompt_ids outside the vocabulary")
-                if len(ids) > self.max_prompt_tokens:
-                    raise PromptTooLarge(f"prompt is {len(ids)} tokens; at most {self.max_prompt_tokens}")
-            else:
-                ids = fit_messages(req.messages, self.m.encode_chat, self.max_prompt_tokens)
+            budget, vocab = self.max_prompt_tokens, self.runner.shape.vocab
+            ids = prompt_ids_for(req.prompt_ids, req.messages, self.m.encode_chat, budget, vocab)
         except PromptTooLarge as exc:
-            outs.append(_error(req.key, start, "too_large", str(exc)))
+            outs.append(error_output(req.key, start, "too_large", str(exc)))
             return
         if start >= req.params.max_tokens or len(ids) + start >= self.max_context:
             # Resumed at (or past) its end: nothing left to generate.
@@ -233,10 +186,6 @@ class BatchingEngine:
         try:
             self.sched.add(req.key, ids, req.params, resume_ids=req.resume_ids, session=req.session)
         except QueueFull as exc:  # submit() keeps the queue under its bound; a race may still land here
-            outs.append(_error(req.key, start, "overloaded", str(exc)))
+            outs.append(error_output(req.key, start, "overloaded", str(exc)))
             return
         self.requests_started += 1
-
-
-def _error(key: str, offset: int, code: str, message: str) -> StepOutput:
-    return StepOutput(key, offset, 0, "", finish="error", error_code=code, error_message=message[:200])

@@ -1,22 +1,22 @@
-"""A first, simple engine: one thread, each running sequence advanced one token per step on its own
-KV cache (batch of one). Correct and streaming, but it does not batch; the continuous-batching engine
-replaces it. It runs on its own thread so the event loop never waits on torch."""
+"""A first, simple engine: each running sequence advanced one token per step on its own KV cache (batch
+of one). Correct and streaming, but it does not batch: the continuous-batching engine replaces it for
+Llama-family models, and this one serves any other causal LM transformers can run. Like every engine it
+runs on its own thread (threaded.py) so the event loop never waits on torch."""
 
 from __future__ import annotations
 
-import queue
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 import torch
 
-from server.engine.api import GenerationRequest, StepCallback, StepOutput
+from server.engine.api import GenerationRequest, StepOutput
 from server.engine.detok import Detokenizer
 from server.engine.model import LoadedModel
-from server.engine.prompt import PromptTooLarge, fit_messages
+from server.engine.prompt import PromptTooLarge, prompt_ids_for
 from server.engine.sampling import sample
+from server.engine.threaded import ThreadedEngine, error_output
 
 log = structlog.get_logger(__name__)
 
@@ -33,98 +33,34 @@ class _Seq:
     completion: list[int] = field(default_factory=list)  # every completion token id, resumed ones first
 
 
-class SimpleEngine:
+class SimpleEngine(ThreadedEngine):
     def __init__(self, loaded: LoadedModel, *, max_prompt_tokens: int | None = None) -> None:
+        super().__init__()
         self.m = loaded
         ctx = int(getattr(loaded.model.config, "max_position_embeddings", 2048))
         self.max_context = ctx
         self.max_prompt_tokens = min(max_prompt_tokens or ctx, ctx - 1)
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._running = False
         self._seqs: dict[str, _Seq] = {}
-        self.requests_started = 0  # generations begun: the tests' "generated exactly once" counter
-        self.tokens_generated = 0
 
-    def start(self, on_step: StepCallback) -> None:
-        self._on_step = on_step
-        self._running = True
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._thread.start()
+    # ---- engine thread (threaded.py) ----------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> None:
-        self._inbox.put(("submit", request))
+    def _has_work(self) -> bool:
+        return bool(self._seqs)
 
-    def cancel(self, key: str) -> None:
-        self._inbox.put(("cancel", key))
+    def _drop(self, key: str) -> None:
+        self._seqs.pop(key, None)
 
-    def stop(self) -> None:
-        self._running = False
-        self._inbox.put(("stop", None))
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+    def _fail_running(self, exc: Exception) -> list[StepOutput]:
+        msg = f"engine error: {exc}"
+        outs = [error_output(s.req.key, s.offset, "internal", msg) for s in self._seqs.values()]
+        self._seqs.clear()
+        return outs
 
-    # ---- engine thread -------------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while self._running:
-            block = not self._seqs
-            try:
-                while True:
-                    kind, arg = self._inbox.get(block=block, timeout=None if block else 0)
-                    block = False
-                    if kind == "stop":
-                        return
-                    if kind == "cancel":
-                        self._seqs.pop(arg, None)
-                    else:
-                        self._admit(arg)
-            except queue.Empty:
-                pass
-            if self._seqs:
-                try:
-                    outs = self._step()
-                except Exception as exc:  # never let one bad step kill the engine thread
-                    log.exception("engine.step_failed")
-                    outs = [
-                        StepOutput(
-                            s.req.key,
-                            s.offset,
-                            0,
-                            "",
-                            finish="error",
-                            error_code="internal",
-                            error_message=f"engine error: {exc}"[:200],
-                        )
-                        for s in self._seqs.values()
-                    ]
-                    self._seqs.clear()
-                if outs:
-                    self._on_step(outs)
-
-    def _admit(self, req: GenerationRequest) -> None:
+    def _intake(self, req: GenerationRequest, outs: list[StepOutput]) -> None:
         try:
-            if req.prompt_ids is not None:
-                ids = list(req.prompt_ids)
-                if len(ids) > self.max_prompt_tokens:
-                    raise PromptTooLarge(f"prompt is {len(ids)} tokens; at most {self.max_prompt_tokens}")
-            else:
-                ids = fit_messages(req.messages, self.m.encode_chat, self.max_prompt_tokens)
+            ids = prompt_ids_for(req.prompt_ids, req.messages, self.m.encode_chat, self.max_prompt_tokens)
         except PromptTooLarge as exc:
-            self._on_step(
-                [
-                    StepOutput(
-                        req.key,
-                        len(req.resume_ids),
-                        0,
-                        "",
-                        finish="error",
-                        error_code="too_large",
-                        error_message=str(exc),
-                    )
-                ]
-            )
+            outs.append(error_output(req.key, len(req.resume_ids), "too_large", str(exc)))
             return
         detok = Detokenizer(self.m.decode, req.params.stop)
         detok.prime(req.resume_ids)

@@ -1,0 +1,112 @@
+"""The sampler draws from exactly the temperature / top-k / top-p distribution, the same whether a row's
+nucleus is found among the few top-k candidates or by sorting the whole vocabulary, and a row's draw
+depends on its seed and offset only (never on its batch mates or its place in the batch)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from server.engine import sampling
+from server.engine.api import SamplingParams
+from server.engine.sampling import sample, token_uniform
+
+
+def _expected(logits: torch.Tensor, p: SamplingParams) -> dict[int, float]:
+    """The target distribution, computed the slow, obvious way (full sort)."""
+    probs = torch.softmax(logits.double() / p.temperature, dim=-1)
+    order = probs.argsort(descending=True).tolist()
+    if p.top_k:
+        order = order[: p.top_k]
+    mass = sum(float(probs[t]) for t in order)
+    kept, before = [], 0.0
+    for t in order:
+        if before >= p.top_p:
+            break
+        kept.append(t)
+        before += float(probs[t]) / mass
+    total = sum(float(probs[t]) for t in kept)
+    return {t: float(probs[t]) / total for t in kept}
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, temperature",
+    [(0, 1.0, 1.0), (0, 0.8, 1.0), (3, 1.0, 1.0), (4, 0.7, 1.0), (0, 0.9, 0.5), (6, 0.95, 2.0)],
+)
+def test_draws_follow_the_truncated_distribution(top_k: int, top_p: float, temperature: float) -> None:
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0, -4.0]])
+    p = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=5)
+    n = 20_000
+    seen = Counter(sample(logits, [p], [o])[0] for o in range(n))
+    want = _expected(logits[0], p)
+    assert set(seen) <= set(want)  # nothing outside the top-k / nucleus, ever
+    for t, q in want.items():
+        assert abs(seen[t] / n - q) < 0.015, (t, seen[t] / n, q)
+
+
+def _all_paths_agree(
+    logits: torch.Tensor, params: list[SamplingParams], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    offsets = list(range(len(params)))
+    fast = [sample(logits, params, [o + 1000 * r for o in offsets]) for r in range(40)]
+    monkeypatch.setattr(sampling, "CANDIDATES", ())  # straight to the full sort
+    full = [sample(logits, params, [o + 1000 * r for o in offsets]) for r in range(40)]
+    pairs = [(a, b) for fa, fb in zip(fast, full, strict=True) for a, b in zip(fa, fb, strict=True)]
+    differ = sum(a != b for a, b in pairs)
+    # Identical draws; a float-level difference between two summation orders may flip a rare boundary.
+    assert differ <= len(pairs) // 200, differ
+
+
+def test_candidate_path_equals_the_full_sort_on_peaky_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 49_152, generator=g) * 2
+    logits[:, :30] += 10  # an LM-like row: a few dozen plausible tokens
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(8)]
+    _all_paths_agree(logits, params, monkeypatch)
+
+
+def test_rows_whose_nucleus_is_wide_widen_their_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flat rows (nucleus beyond 64 and 1024 tokens) and a top-k above the first round's size."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(7, 5_000, generator=g)
+    logits[0] *= 0.01  # nearly uniform: the nucleus holds most of the vocabulary
+    # The first 64 candidates hold about three quarters of the mass: close to top_p, not enough.
+    logits[6] *= 0.5
+    logits[6, :40] += 6
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.95, seed=1),
+        SamplingParams(temperature=1.0, top_p=0.5, seed=2),
+        SamplingParams(temperature=1.5, top_p=1.0, seed=3),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=100, seed=4),
+        SamplingParams(temperature=1.0, top_p=1.0, top_k=2_000, seed=5),
+        SamplingParams(temperature=0.0, seed=6),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=7),
+    ]
+    _all_paths_agree(logits, params, monkeypatch)
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 2_000, generator=g) * 3
+    params = [SamplingParams(temperature=0.7 + 0.1 * i, top_p=0.9, top_k=50 * i, seed=i) for i in range(5)]
+    offsets = [3, 9, 0, 41, 7]
+    together = sample(logits, params, offsets)
+    alone = [sample(logits[i : i + 1], [params[i]], [offsets[i]])[0] for i in range(5)]
+    backwards = sample(logits.flip(0), params[::-1], offsets[::-1])[::-1]
+    assert together == alone == backwards
+
+
+def test_greedy_rows_take_the_argmax_among_sampled_ones() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 1.0, 0.0], [0.0, 0.0, 9.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams()]
+    out = sample(logits, params, [0, 0, 0])
+    assert out[0] == 1 and out[2] == 2
+
+
+def test_uniforms_are_in_range_and_spread() -> None:
+    us = [token_uniform(seed, o) for seed in range(20) for o in range(500)]
+    assert all(0.0 <= u < 1.0 for u in us)
+    assert abs(sum(us) / len(us) - 0.5) < 0.01
+    assert len(set(us)) == len(us)

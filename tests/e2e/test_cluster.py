@@ -25,7 +25,9 @@ from tests.e2e.serve_process import ServeProcess
 
 LEASE_TTL_S = 2.0
 STREAMS = 20
-MAX_TOKENS = 48
+# Long enough that every stream is still running when the last one has started, even on a busy machine:
+# a kill then always lands mid-stream.
+MAX_TOKENS = 160
 
 
 @dataclass
@@ -150,18 +152,19 @@ async def _follow(
 
 
 async def _reference(url: str) -> list[str]:
-    """The same chats, uninterrupted (new ids, same messages and seeds)."""
-    c = await Client.connect(url)
-    out = []
-    for i in range(STREAMS):
+    """The same chats, uninterrupted (new ids, same messages and seeds), run side by side."""
+
+    async def one(i: int) -> str:
+        c = await Client.connect(url)
         ch = _chat(i, "ref")
         text, _, done, errors = await collect(
             c.chat(messages=[m.to_wire() for m in ch.messages or ()], id=ch.id, params=ch.params)
         )
+        await c.close()
         assert errors == [] and done is not None
-        out.append(text)
-    await c.close()
-    return out
+        return text
+
+    return list(await asyncio.gather(*(one(i) for i in range(STREAMS))))
 
 
 async def _writers(

@@ -168,6 +168,8 @@ async def test_chaos_kills_and_resumes_lose_and_repeat_nothing(
             await proxy.stop()
     assert rough.kills >= CONVERSATIONS and rough.server_drops > 0 and rough.resumes > 0
     assert chaotic == reference
-    assert all(t for conv in reference for t in conv)
+    # Not vacuous: the texts are real (a sampled reply may rarely open with EOS and be empty, on both runs).
+    texts = [t for conv in reference for t in conv]
+    assert sum(1 for t in texts if t) >= 0.95 * len(texts)
     assert len(engine.starts) == 2 * CONVERSATIONS * TURNS
     assert set(engine.starts.values()) == {1}, [k for k, v in engine.starts.items() if v > 1]

@@ -1,14 +1,14 @@
-"""A fake engine with the real engine's threading and interface, and no model: the gateway and store are
-tested against it. It "generates" a deterministic reply derived from the prompt, one word per step."""
+"""A fake engine with the real engines' threading (it is a ThreadedEngine) and interface, and no model:
+the gateway and store are tested against it. It "generates" a deterministic reply derived from the prompt,
+one word per step."""
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
-from server.engine.api import GenerationRequest, StepCallback, StepOutput
+from server.engine.api import GenerationRequest, StepOutput
+from server.engine.threaded import ThreadedEngine, error_output
 
 
 def reply_words(req: GenerationRequest) -> list[str]:
@@ -29,66 +29,45 @@ class _Run:
     offset: int
 
 
-class FakeEngine:
+class FakeEngine(ThreadedEngine):
+    """The real engines' thread, inbox and hand-off (ThreadedEngine); a step emits one word per request."""
+
     def __init__(self, step_s: float = 0.002, reply_len: int = 12) -> None:
+        super().__init__()
         self.step_s = step_s
         self.reply_len = reply_len  # words before a natural "stop" (unless max_tokens is smaller)
         self.pad = ""  # appended to every token's text (tests that need big deltas)
-        self.requests_started = 0
         self.started_keys: list[str] = []
-        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._runs: dict[str, _Run] = {}
-        self._thread: threading.Thread | None = None
-        self._running = False
 
-    def start(self, on_step: StepCallback) -> None:
-        self._on_step = on_step
-        self._running = True
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="fake-engine")
-        self._thread.start()
+    def _has_work(self) -> bool:
+        return bool(self._runs)
 
-    def submit(self, request: GenerationRequest) -> None:
-        self._inbox.put(("submit", request))
+    def _intake(self, req: GenerationRequest, outs: list[StepOutput]) -> None:
+        self.requests_started += 1
+        self.started_keys.append(req.key)
+        self._runs[req.key] = _Run(req, reply_words(req), len(req.resume_ids))
 
-    def cancel(self, key: str) -> None:
-        self._inbox.put(("cancel", key))
+    def _drop(self, key: str) -> None:
+        self._runs.pop(key, None)
 
-    def stop(self) -> None:
-        self._running = False
-        self._inbox.put(("stop", None))
-        if self._thread:
-            self._thread.join(5)
+    def _fail_running(self, exc: Exception) -> list[StepOutput]:
+        outs = [error_output(k, r.offset, "internal", f"engine error: {exc}") for k, r in self._runs.items()]
+        self._runs.clear()
+        return outs
 
-    def _loop(self) -> None:
-        while self._running:
-            try:
-                block = not self._runs
-                while True:
-                    kind, arg = self._inbox.get(block=block)
-                    block = False
-                    if kind == "stop":
-                        return
-                    if kind == "cancel":
-                        self._runs.pop(str(arg), None)
-                    else:
-                        assert isinstance(arg, GenerationRequest)
-                        self.requests_started += 1
-                        self.started_keys.append(arg.key)
-                        self._runs[arg.key] = _Run(arg, reply_words(arg), len(arg.resume_ids))
-            except queue.Empty:
-                pass
-            outs: list[StepOutput] = []
-            for key, run in list(self._runs.items()):
-                limit = min(run.req.params.max_tokens, self.reply_len)
-                o = run.offset
-                finish = None
-                if o + 1 >= limit:
-                    finish = "length" if run.req.params.max_tokens <= self.reply_len else "stop"
-                text = run.words[o] + self.pad
-                outs.append(StepOutput(key, o, 1, text, finish=finish, prompt_tokens=len(run.req.messages)))
-                run.offset += 1
-                if finish:
-                    del self._runs[key]
-            if outs:
-                self._on_step(outs)
-            time.sleep(self.step_s)
+    def _step(self) -> list[StepOutput]:
+        outs: list[StepOutput] = []
+        for key, run in list(self._runs.items()):
+            limit = min(run.req.params.max_tokens, self.reply_len)
+            o = run.offset
+            finish = None
+            if o + 1 >= limit:
+                finish = "length" if run.req.params.max_tokens <= self.reply_len else "stop"
+            text = run.words[o] + self.pad
+            outs.append(StepOutput(key, o, 1, text, finish=finish, prompt_tokens=len(run.req.messages)))
+            run.offset += 1
+            if finish:
+                del self._runs[key]
+        time.sleep(self.step_s)
+        return outs

@@ -17,7 +17,6 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import structlog
-import torch
 
 from server.engine.api import GenerationRequest, StepCallback, StepOutput
 
@@ -91,6 +90,8 @@ class ThreadedEngine(ABC):
     # ---- the thread ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        import torch  # here, not at the top: a model-free engine (the tests' fake) needs no torch
+
         torch.set_grad_enabled(False)
         while self._running:
             outs: list[StepOutput] = []

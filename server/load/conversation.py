@@ -134,6 +134,11 @@ class RequestRecord:
         return self.first_at - self.sent_at
 
 
+def conversation_rng(seed: int, user: int, conversation: int) -> random.Random:
+    """The generator a conversation draws its requests from (see ``draw_request``)."""
+    return random.Random(f"{seed}:{user}:{conversation}")
+
+
 def draw_request(
     cfg: LoadConfig,
     rng: random.Random,
@@ -196,7 +201,7 @@ class Conversation:
         self.conversation = conversation
         self.subprotocol = subprotocol
         cfg = state.cfg
-        self.rng = random.Random(f"{cfg.seed}:{user}:{conversation}")
+        self.rng = conversation_rng(cfg.seed, user, conversation)
         self.client: LoadClient | None = None
         self.session_token: str | None = None
 

@@ -12,13 +12,12 @@ what the server adds: the gateway, the Redis hand-off and log, the worker loop a
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.api import EngineOverloaded, GenerationRequest, StepOutput
-from server.load.conversation import RequestRecord, draw_request
+from server.load.conversation import RequestRecord, conversation_rng, draw_request
 from server.load.runner import LoadResult, RunState, drive
 from server.worker.loop import params_from_payload
 
@@ -82,7 +81,6 @@ class EngineDriver:
             except EngineOverloaded as exc:  # as the worker would: the client retries after the hint
                 rec.retries += 1
                 await asyncio.sleep(exc.retry_after_ms / 1000)
-        rec.sent_at = rec.sent_at if rec.sent_at is not None else self.state.now()
         await p.done
         return "".join(p.text)
 
@@ -90,7 +88,7 @@ class EngineDriver:
 async def _conversation(driver: EngineDriver, user: int, conversation: int) -> None:
     st = driver.state
     cfg = st.cfg
-    rng = random.Random(f"{cfg.seed}:{user}:{conversation}")
+    rng = conversation_rng(cfg.seed, user, conversation)
     session = f"{st.tag}-{user}-{conversation}"
     history: list[dict[str, str]] = []
     for turn in range(cfg.turns):

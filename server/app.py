@@ -40,7 +40,7 @@ class ServeConfig:
     max_running: int = 64
     drain_timeout_s: float = 10.0
     name: str | None = None  # worker/gateway id (default host-pid)
-    metrics_port: int | None = None  # a worker process's /metrics (gateways serve it on their own port)
+    metrics_port: int | None = None  # a worker's /metrics, /healthz, /readyz (gateways: their own port)
 
 
 @dataclass(slots=True)
@@ -170,11 +170,14 @@ async def run_worker(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> 
     stop = stop or asyncio.Event()
     _stop_on_signals(stop)
     async with open_store(cfg, embedded_ok=False) as h:
+        probes = None
         if cfg.metrics_port is not None:
-            from prometheus_client import start_http_server
+            from server.worker.probes import serve_probes
 
-            start_http_server(cfg.metrics_port, addr=cfg.gateway.host)
+            probes = serve_probes(cfg.metrics_port, cfg.gateway.host)  # /metrics, /healthz, /readyz
         worker = await start_worker(cfg, h)
+        if probes is not None:
+            probes.worker = worker
         try:
             await stop.wait()
         finally:

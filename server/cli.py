@@ -207,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("worker", help="a worker process: the model, no sockets (cluster mode)")
     common(w, redis_required=True)
     model(w)
-    w.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    w.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics and the /healthz (liveness) and /readyz (readiness) probes here",
+    )
     w.add_argument("--host", default="127.0.0.1", help="address for --metrics-port")
     w.set_defaults(func=_worker)
 

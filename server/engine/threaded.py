@@ -52,6 +52,10 @@ class ThreadedEngine(ABC):
     def cancel(self, key: str) -> None:
         self._inbox.put(("cancel", key))
 
+    def alive(self) -> bool:
+        """Is the engine thread running? (False before start, after stop, or if it died.)"""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         self._running = False
         self._inbox.put(("stop", None))

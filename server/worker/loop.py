@@ -73,6 +73,16 @@ class Worker:
         self._room = asyncio.Event()
         self._idle = asyncio.Event()  # set while no request is running here
         self._idle.set()
+        # What the probes read (probes.py), from another thread: plain attributes, written on the loop.
+        self.lease_ttl_s = store.settings.lease_ttl_ms / 1000
+        self.lease_period_s = self.lease_ttl_s / 3
+        self.last_tick = time.monotonic()  # the lease loop ran (whether or not Redis answered)
+        self.last_heartbeat: float | None = None  # a heartbeat reached Redis
+        self.draining = False
+
+    def engine_alive(self) -> bool:
+        alive = getattr(self.engine, "alive", None)
+        return bool(alive()) if callable(alive) else True
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -101,6 +111,7 @@ class Worker:
         """Graceful stop: take no new work, let running requests finish for up to ``deadline_s``, then hand
         the rest back to the queue (another worker continues them after their logged tokens) and stop.
         Returns how many requests were handed back."""
+        self.draining = True
         await cancel_and_wait(self._tasks[:1])  # the take loop
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), deadline_s)
@@ -134,13 +145,15 @@ class Worker:
                 await asyncio.sleep(0.5)
 
     async def _heartbeat(self) -> list[str]:
-        return await self.store.heartbeat(self.name, len(self._items), self.max_running)
+        dead = await self.store.heartbeat(self.name, len(self._items), self.max_running)
+        self.last_heartbeat = time.monotonic()
+        return dead
 
     async def _lease_loop(self) -> None:
         """Renew this worker's lease and re-queue the requests of workers whose leases lapsed."""
-        period = self.store.settings.lease_ttl_ms / 3000
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(self.lease_period_s)
+            self.last_tick = time.monotonic()
             try:
                 for dead in await self._heartbeat():
                     n = await self.store.reap(dead)

@@ -281,8 +281,9 @@ def test_worker_gets_a_gpu_exposes_metrics_and_drains_before_the_kill() -> None:
     assert flag(c["args"], "--device") == "cuda"
     assert any(t["key"] == "nvidia.com/gpu" for t in spec.get("tolerations", []))
     metrics_port = int(flag(c["args"], "--metrics-port"))
-    for probe in ("livenessProbe", "readinessProbe"):
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         assert port_number(c, c[probe]["httpGet"]["port"]) == metrics_port
+        assert c[probe]["httpGet"]["path"] == path
     assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(metrics_port)
     # Finish or hand back within --drain-timeout, then exit, all before SIGKILL.
     assert spec["terminationGracePeriodSeconds"] >= float(flag(c["args"], "--drain-timeout")) + 10
@@ -369,14 +370,14 @@ def test_compose_tokenwire_service(name: str) -> None:
     assert "ports" not in service, "only the balancer publishes a port"
     build = service["build"]
     assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
-    # The health check asks this process's own port: /healthz on a gateway, /metrics on a worker.
+    # The health check asks this process's own port for /healthz (a worker's is its --metrics-port).
     test = service["healthcheck"]["test"]
     assert test[:3] == ["CMD", "python", "/app/deploy/healthcheck.py"]
     checked = urlsplit(test[3])
     if name in GATEWAYS:
         assert (checked.port, checked.path) == (int(flag(command, "--port")), "/healthz")
     else:
-        assert checked.port == int(flag(command, "--metrics-port"))
+        assert (checked.port, checked.path) == (int(flag(command, "--metrics-port")), "/healthz")
         assert seconds(service["stop_grace_period"]) > float(flag(command, "--drain-timeout"))
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
+import socket
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -259,3 +261,21 @@ async def test_sigterm_gateway_and_worker_under_load_fails_nothing(
     assert g0.proc.wait(20) == 0 and w0.proc.wait(20) == 0  # both drained and exited cleanly
     assert all(s.done is not None and s.done.finish_reason in ("stop", "length") for s in streams)
     assert [s.text for s in streams] == await _reference(url1)
+
+
+async def test_worker_process_answers_probes_and_metrics(cluster: Cluster, tiny_model_dir: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w = cluster.start_worker(tiny_model_dir, "--metrics-port", str(port))  # returns at "tokenwire ready"
+
+    def get(path: str) -> tuple[int, str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+
+    loop = asyncio.get_running_loop()
+    assert await loop.run_in_executor(None, get, "/healthz") == (200, "ok\n")
+    assert await loop.run_in_executor(None, get, "/readyz") == (200, "ok\n")
+    status, body = await loop.run_in_executor(None, get, "/metrics")
+    assert status == 200 and "tokenwire_requests_running" in body
+    assert w.stop() == 0

@@ -64,8 +64,12 @@ def test_emissions_cover_every_token_and_the_text(text: str, stops: list[str]) -
     out, stopped = run(text, tuple(stops))
     emitted = "".join(t for _, t in out)
     if stopped:
-        cut = min(i for s in stops if (i := text.find(s)) != -1)
-        assert emitted == text[:cut]
+        # Generation stops at the first point where some stop string is complete, and the text is cut at
+        # the start of the stop strings completed there (a longer one that starts earlier but would end
+        # later never gets the chance: e.g. stops "g" and "0g0" on "0g0" give "0").
+        hits = [(i + len(s), i) for s in stops for i in range(len(text)) if text.startswith(s, i)]
+        end = min(e for e, _ in hits)
+        assert emitted == text[: min(i for e, i in hits if e == end)]
     else:
         assert emitted == text
         assert sum(n for n, _ in out) == len(text.encode())

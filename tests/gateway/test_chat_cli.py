@@ -1,0 +1,71 @@
+"""``tokenwire chat`` rides out dropped connections: it reconnects with its session token, resumes the
+reply at the offset it has printed, and the printed text equals an undisturbed reply."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from protocol import Params
+from server.chat_cli import ChatSession
+from server.store.keys import Keys
+from tests.gateway.conftest import running_server
+from tests.gateway.proxy import DropProxy
+
+
+async def test_chat_resumes_the_reply_after_drops(redis: aioredis.Redis, redis_url: str, keys: Keys) -> None:
+    async with running_server(redis, redis_url, keys) as server:
+        server.engine.step_s = 0.01
+        server.engine.reply_len = 120
+        params = Params(max_tokens=100, seed=7, cache=False)
+
+        calm: list[str] = []
+        quiet = ChatSession(server.url, write=calm.append, notice=lambda _: None)
+        assert await quiet.ask("tell me a long story", params)
+        await quiet.close()
+
+        proxy = DropProxy(server.port)
+        port = await proxy.start()
+        rough: list[str] = []
+        reached = {10: asyncio.Event(), 50: asyncio.Event()}
+
+        def write(text: str) -> None:
+            rough.append(text)
+            for n, ev in reached.items():
+                if len(rough) >= n:
+                    ev.set()
+
+        notices: list[str] = []
+        session = ChatSession(f"ws://127.0.0.1:{port}/v1/ws", write=write, notice=notices.append)
+
+        async def drop_when(chunks: int) -> None:
+            await reached[chunks].wait()
+            assert session.client is not None
+            assert proxy.drop(session.client.ws.transport.get_extra_info("sockname")[1])
+
+        try:
+            dropper = asyncio.gather(drop_when(10), drop_when(50))  # the second after the reconnect
+            assert await asyncio.wait_for(session.ask("tell me a long story", params), 60)
+            await asyncio.wait_for(dropper, 10)
+        finally:
+            await session.close()
+            await proxy.stop()
+        assert session.reconnects == 2 and any("connection lost" in n for n in notices)
+        assert "".join(rough) == "".join(calm) and len(calm) > 60
+
+
+async def test_chat_reports_a_server_error_and_goes_on(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    async with running_server(redis, redis_url, keys) as server:
+        out: list[str] = []
+        notices: list[str] = []
+        session = ChatSession(server.url, write=out.append, notice=notices.append)
+        try:
+            assert not await session.ask("", Params(max_tokens=0))  # invalid: bad_frame, no reply
+            assert notices and "[error" in notices[-1]
+            assert await session.ask("hello", Params(max_tokens=5))  # the same connection still chats
+        finally:
+            await session.close()
+        assert "".join(out).strip()

@@ -40,6 +40,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             lease_ttl_ms=int(args.lease_ttl * 1000),
             detach_timeout_ms=int(args.detach_timeout * 1000),
             max_queued=args.max_queued,
+            max_inflight_per_user=getattr(args, "max_inflight_per_user", 0),
         ),
         redis_url=args.redis_url or os.environ.get("TOKENWIRE_REDIS_URL") or None,
         data_dir=Path(getattr(args, "data_dir", None) or os.environ.get("TOKENWIRE_DATA") or ".tokenwire"),
@@ -152,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
             type=int,
             default=0,
             help="refuse new chats with `overloaded` while this many wait in the queue (0: no limit)",
+        )
+        p.add_argument(
+            "--max-inflight-per-user",
+            type=int,
+            default=0,
+            help="refuse a user's new chats with `rate_limited` while they have this many queued or running, "
+            "across all gateways (0: no limit)",
         )
         p.add_argument("--log-level", default="info")
 

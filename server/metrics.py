@@ -16,7 +16,7 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0
 CONNECTIONS = Gauge("tokenwire_connections_open", "WebSocket connections open on this gateway")
 REQUESTS = Counter(
     "tokenwire_chat_requests_total",
-    "chat frames by outcome: new request, idempotent attach, conflict, overloaded",
+    "chat frames by outcome: new request, idempotent attach, conflict, overloaded, user_limit",
     ["outcome"],
 )
 RESUMES = Counter("tokenwire_resumes_total", "resume requests (resume frames and hello.resume points)")

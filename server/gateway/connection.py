@@ -252,8 +252,11 @@ class Connection:
         )
         if cache_key and res.outcome in ("new", "cached"):
             metrics.CACHE.labels("hit" if res.outcome == "cached" else "miss").inc()
-        if res.outcome in ("conflict", "overloaded"):
+        if res.outcome in ("conflict", "overloaded", "user_limit"):
             metrics.REQUESTS.labels(res.outcome).inc()
+        if res.outcome == "user_limit":
+            cap = self.gw.store.settings.max_inflight_per_user
+            raise limited(chat.id, f"at most {cap} requests queued or running per user", 1000)
         if res.outcome == "conflict":
             raise ProtocolError(
                 ErrorCode.IDEMPOTENCY_CONFLICT,

@@ -20,6 +20,10 @@ class Keys:
     def log(self, owner: str, id: str) -> str:
         return self._scoped("log", owner, id)
 
+    def inflight(self, owner: str) -> str:
+        """Set of an owner's request keys that may still be queued or running (submit.lua prunes it)."""
+        return f"{self.prefix}inflight:{len(owner)}:{owner}"
+
     def history(self, session: str) -> str:
         return f"{self.prefix}hist:{session}"
 

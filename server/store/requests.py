@@ -74,6 +74,7 @@ class Settings:
     detach_timeout_ms: int = 30_000
     lease_ttl_ms: int = 10_000
     max_queued: int = 0  # 0: unbounded
+    max_inflight_per_user: int = 0  # requests one owner may have queued or running at once; 0: unbounded
     history_max_messages: int = 64
     session_ttl_ms: int = 24 * 3600 * 1000
     cache_ttl_ms: int = 10 * 60 * 1000  # response cache for deterministic requests
@@ -131,6 +132,8 @@ class RequestStore:
 
         Same id and same fingerprint → ``attach`` (nothing is queued again: one generation per id).
         Same id, other fingerprint → ``conflict``. Queue full → ``overloaded`` and nothing is written.
+        The owner already has ``max_inflight_per_user`` requests queued or running → ``user_limit`` (their
+        count in ``queued``), nothing written.
         ``user_message`` is appended to the session history when the request ends normally. ``prefer``
         names the worker to queue it for (session affinity), used only while that worker's lease is live.
         ``cache_key`` (deterministic requests): a recent identical request's log answers it at once
@@ -148,6 +151,7 @@ class RequestStore:
                 k.log(owner, id),
                 k.cache(cache_key) if cache_key else "",
                 k.history(session or "-"),
+                k.inflight(owner) if st.max_inflight_per_user else "",
             ],
             args=[
                 owner,
@@ -163,10 +167,11 @@ class RequestStore:
                 st.retention_ms,
                 st.history_max_messages,
                 st.session_ttl_ms,
+                st.max_inflight_per_user,
             ],
         )
         outcome, epoch, state = _s(res[0]), int(res[1]), _s(res[2])
-        if outcome == "overloaded":
+        if outcome in ("overloaded", "user_limit"):
             return SubmitResult(outcome, 0, "", queued=epoch)
         return SubmitResult(outcome, epoch, state)
 

@@ -158,3 +158,31 @@ async def test_degradation_clamps_and_truncates_past_the_queue_threshold(
         assert done is not None and done.offset == 4 and done.finish_reason == "length"
         assert text.startswith("re[3]")  # the system prompt and the latest two messages
         await c.close()
+
+
+async def test_requests_in_flight_per_user_are_capped(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    async with running_server(redis, redis_url, keys, store=Settings(max_inflight_per_user=2)) as server:
+        server.engine.step_s = 0.02
+        c = await Client.connect(server.url)
+        for i in range(2):
+            await c.send(Chat(id=f"long{i}", content="go", params=Params(max_tokens=10)))
+        await c.send(Chat(id="third", content="go", params=Params(max_tokens=10)))
+        frames = []
+        while not any(isinstance(f, Error) for f in frames):
+            frames.append(await c.recv())
+        [refused] = [f for f in frames if isinstance(f, Error)]
+        assert (refused.id, refused.code) == ("third", "rate_limited")
+        assert refused.retry_after_ms and "at most 2 requests" in refused.message
+        other = await Client.connect(server.url)  # another user (another anonymous session)
+        _, _, done, errors = await collect(other.chat("me too", params=Params(max_tokens=2)))
+        assert errors == [] and done is not None
+        dones = sum(isinstance(f, Done) for f in frames)
+        while dones < 2:
+            dones += isinstance(await c.recv(), Done)
+        # Both have finished: the same id goes through now (nothing was created the first time).
+        _, _, done, errors = await collect(c.chat("go", id="third", params=Params(max_tokens=10)))
+        assert errors == [] and done is not None
+        await c.close()
+        await other.close()

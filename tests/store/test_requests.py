@@ -171,3 +171,36 @@ async def test_log_reader_subscriber_joining_mid_read_still_starts_at_its_offset
     finally:
         await reader.stop()
         await reader_r.aclose()
+
+
+async def test_per_user_limit_counts_queued_and_running_requests(redis: aioredis.Redis, keys: Keys) -> None:
+    store = RequestStore(redis, keys, Settings(max_inflight_per_user=2))
+    await store.ensure_group()
+    a = await store.submit("u1", "a", "fp", PAYLOAD)
+    b = await store.submit("u1", "b", "fp", PAYLOAD)
+    c = await store.submit("u1", "c", "fp", PAYLOAD)
+    assert (a.outcome, b.outcome, c.outcome, c.queued) == ("new", "new", "user_limit", 2)
+    assert await store.get("u1", "c") is None  # a refused request leaves nothing behind
+    assert (await store.submit("u1", "a", "fp", PAYLOAD)).outcome == "attach"  # retries are not new work
+    assert (await store.submit("u2", "x", "fp", PAYLOAD)).outcome == "new"  # per user
+
+    # Running counts too; a request that ends in any way frees its place: finished, cancelled, expired.
+    entries = await store.take("w1", count=10, block_ms=100)
+    items = {i.req_key: i for q, e, k in entries if (i := await store.start("w1", e, k, q)) is not None}
+    item_a = items[keys.request("u1", "a")]
+    assert (await store.submit("u1", "c", "fp", PAYLOAD)).outcome == "user_limit"
+    await store.write_step([StepOp(item_a, 0, 1, "x", 1, finish="stop", reply_text="x")], "w1")
+    assert (await store.submit("u1", "c", "fp", PAYLOAD)).outcome == "new"
+    assert (await store.submit("u1", "d", "fp", PAYLOAD)).outcome == "user_limit"
+    assert await store.cancel("u1", "b") == "running"
+    assert (await store.submit("u1", "d", "fp", PAYLOAD)).outcome == "new"
+    await redis.delete(keys.request("u1", "c"))  # as if its record had expired
+    assert (await store.submit("u1", "e", "fp", PAYLOAD)).outcome == "new"
+    assert await redis.scard(keys.inflight("u1")) == 2  # d and e: the ended ones were pruned
+
+
+async def test_no_per_user_limit_by_default(redis: aioredis.Redis, keys: Keys) -> None:
+    store = RequestStore(redis, keys)
+    await store.ensure_group()
+    assert {(await store.submit("u1", f"r{i}", "fp", PAYLOAD)).outcome for i in range(20)} == {"new"}
+    assert not await redis.exists(keys.inflight("u1"))

@@ -2,12 +2,13 @@
 -- KEYS[1] request hash, KEYS[2] shared work queue stream, KEYS[3] queued-requests counter,
 -- KEYS[4] the preferred worker's own queue (session affinity; "" for none), KEYS[5] workers lease zset,
 -- KEYS[6] token log stream, KEYS[7] response-cache entry ("" when the request is not cacheable),
--- KEYS[8] session history list
+-- KEYS[8] session history list, KEYS[9] the owner's in-flight set ("" when there is no per-user limit)
 -- ARGV: 1 owner, 2 id, 3 fingerprint, 4 payload (JSON), 5 session, 6 user message (JSON or ""),
 --       7 ttl_ms (a bound on how long an unfinished request may linger), 8 max_queued (0 = unbounded),
 --       9 detach_timeout_ms, 10 preferred worker id ("" for none), 11 retention_ms,
---       12 history max messages, 13 session ttl_ms
+--       12 history max messages, 13 session ttl_ms, 14 max requests in flight per owner (0 = unbounded)
 -- Returns {"attach", epoch, state} | {"conflict", 0, state} | {"overloaded", queued, ""} | {"new", 1, "queued"}
+--       | {"user_limit", in_flight, ""} (the owner already has that many queued or running; nothing written)
 --       | {"cached", 1, "done"} (answered from the response cache: the log is written, no worker runs)
 local req = KEYS[1]
 local t = redis.call('TIME')
@@ -50,6 +51,22 @@ if KEYS[7] ~= '' then
     return {'cached', 1, 'done'}
   end
 end
+local max_inflight = tonumber(ARGV[14])
+if max_inflight > 0 then
+  -- Forget the owner's requests that have ended (or expired) before counting. No other script keeps this
+  -- set: however a request ends (done, failed, cancelled, detached, reaped and finished elsewhere), it is
+  -- simply found ended here, so the count cannot drift. The set never holds more than the limit.
+  for _, r in ipairs(redis.call('SMEMBERS', KEYS[9])) do
+    local s = redis.call('HGET', r, 'state')
+    if s ~= 'queued' and s ~= 'running' then
+      redis.call('SREM', KEYS[9], r)
+    end
+  end
+  local n = redis.call('SCARD', KEYS[9])
+  if n >= max_inflight then
+    return {'user_limit', n, ''}
+  end
+end
 local max_queued = tonumber(ARGV[8])
 local queued = tonumber(redis.call('GET', KEYS[3]) or '0')
 if max_queued > 0 and queued >= max_queued then
@@ -62,6 +79,10 @@ redis.call('HSET', req,
   'attached_until', now + tonumber(ARGV[9]), 'cache_key', KEYS[7])
 redis.call('PEXPIRE', req, ARGV[7])
 redis.call('INCR', KEYS[3])
+if max_inflight > 0 then
+  redis.call('SADD', KEYS[9], req)
+  redis.call('PEXPIRE', KEYS[9], ARGV[7])
+end
 -- The preferred worker's queue only while its lease is live: reap.lua removes the lease and drains that
 -- queue in one step, so nothing can be left behind in the queue of a dead worker.
 local queue = KEYS[2]

@@ -97,25 +97,32 @@ async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gatewa
     return gateway
 
 
-def build_engine(loaded: Any) -> Any:
-    """The engine for a loaded model (the one place that picks the engine implementation)."""
-    from server.engine.engine import engine_for
+def use_threads(threads: int | None) -> None:
+    """torch's CPU threads for the engine (None: torch's default). Called before the model loads."""
+    if threads:
+        import torch
 
-    return engine_for(loaded)  # batching for Llama-family models, SimpleEngine for the rest
+        torch.set_num_threads(threads)
+
+
+def load_engine(model: str | None, *, device: str | None = None, dtype: str = "auto") -> tuple[Any, Any]:
+    """Load the model and build its engine (the one place that picks the engine implementation):
+    ``(loaded model, engine not yet started)``. Blocking: seconds."""
+    from server.engine.engine import engine_for
+    from server.engine.model import load_model
+
+    loaded = load_model(model, device=device, dtype=dtype)
+    return loaded, engine_for(loaded)  # batching for Llama-family models, SimpleEngine for the rest
 
 
 async def start_worker(cfg: ServeConfig, h: StoreHandles) -> Any:
-    from server.engine.model import load_model
     from server.worker.loop import Worker
 
-    if cfg.threads:
-        import torch
-
-        torch.set_num_threads(cfg.threads)
-    loaded = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    use_threads(cfg.threads)
+    loaded, engine = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: load_engine(cfg.model, device=cfg.device, dtype=cfg.dtype)
     )
-    worker = Worker(h.store, build_engine(loaded), name=cfg.name, max_running=cfg.max_running)
+    worker = Worker(h.store, engine, name=cfg.name, max_running=cfg.max_running)
     await worker.start()
     print(f"tokenwire ready: model {loaded.name} on {loaded.device} (worker {worker.name})", flush=True)
     return worker

@@ -49,14 +49,10 @@ async def run(cfg: LoadConfig, *, progress: bool, engine: Any = None) -> dict[st
 
 def _load_engine(model: str | None, threads: int | None) -> Any:
     """The engine ``tokenwire serve`` would build for this model, in this process."""
-    from server.app import build_engine
-    from server.engine.model import load_model
+    from server.app import load_engine, use_threads
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-    return build_engine(load_model(model))
+    use_threads(threads)
+    return load_engine(model)[1]
 
 
 def exit_status(report: dict[str, Any]) -> int:

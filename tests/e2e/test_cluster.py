@@ -180,19 +180,28 @@ async def _writers(
     return out
 
 
+async def _launch(
+    urls: list[str], tag: str
+) -> tuple[list[Stream], list[dict[str, str]], list[asyncio.Task[None]]]:
+    """STREAMS streams following ``urls``, returned once every one has its first tokens: the streams,
+    each one's session-token holder, and the tasks that run them to done."""
+    streams = [Stream(_chat(i, tag)) for i in range(STREAMS)]
+    tokens = [dict[str, str]() for _ in streams]
+    started = [asyncio.Event() for _ in streams]
+    tasks = [
+        asyncio.create_task(_follow(urls, s, t, e)) for s, t, e in zip(streams, tokens, started, strict=True)
+    ]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    return streams, tokens, tasks
+
+
 async def test_kill9_worker_mid_stream(
     cluster: Cluster, cluster_redis: aioredis.Redis, peaky_model_dir: Path
 ) -> None:
     w0 = cluster.start_worker(peaky_model_dir, "--name", "w0")
     cluster.start_worker(peaky_model_dir, "--name", "w1")
     url = cluster.start_gateway()
-    streams = [Stream(_chat(i, "kw")) for i in range(STREAMS)]
-    tokens = [dict[str, str]() for _ in streams]
-    started = [asyncio.Event() for _ in streams]
-    tasks = [
-        asyncio.create_task(_follow([url], s, t, e)) for s, t, e in zip(streams, tokens, started, strict=True)
-    ]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    streams, tokens, tasks = await _launch([url], "kw")
     assert w0.proc is not None
     w0.proc.send_signal(signal.SIGKILL)
     await asyncio.wait_for(asyncio.gather(*tasks), 90)
@@ -224,12 +233,7 @@ async def test_kill9_gateway_clients_resume_on_the_other(cluster: Cluster, peaky
     cluster.start_worker(peaky_model_dir)
     url0 = cluster.start_gateway()
     url1 = cluster.start_gateway()
-    streams = [Stream(_chat(i, "kg")) for i in range(STREAMS)]
-    started = [asyncio.Event() for _ in streams]
-    tasks = [
-        asyncio.create_task(_follow([url0, url1], s, {}, e)) for s, e in zip(streams, started, strict=True)
-    ]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    streams, _, tasks = await _launch([url0, url1], "kg")
     g0 = cluster.gateways[0].proc
     assert g0 is not None
     g0.send_signal(signal.SIGKILL)
@@ -247,12 +251,7 @@ async def test_sigterm_gateway_and_worker_under_load_fails_nothing(
     cluster.start_worker(peaky_model_dir, "--name", "w1")
     url0 = cluster.start_gateway()
     url1 = cluster.start_gateway()
-    streams = [Stream(_chat(i, "st")) for i in range(STREAMS)]
-    started = [asyncio.Event() for _ in streams]
-    tasks = [
-        asyncio.create_task(_follow([url0, url1], s, {}, e)) for s, e in zip(streams, started, strict=True)
-    ]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    streams, _, tasks = await _launch([url0, url1], "st")
     g0 = cluster.gateways[0]
     assert g0.proc is not None and w0.proc is not None
     g0.proc.send_signal(signal.SIGTERM)

@@ -31,6 +31,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             auth_secret=getattr(args, "auth_secret", None) or os.environ.get("TOKENWIRE_AUTH_SECRET") or None,
             allowed_origins=tuple(args.allowed_origin) if getattr(args, "allowed_origin", None) else None,
             response_cache=not getattr(args, "no_response_cache", False),
+            shared_response_cache=getattr(args, "shared_response_cache", False),
             degrade_queue_depth=getattr(args, "degrade_queue_depth", 0),
             degrade_ttft_s=getattr(args, "degrade_ttft", 0.0),
             degrade_max_tokens=getattr(args, "degrade_max_tokens", 128),
@@ -181,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             "--no-response-cache",
             action="store_true",
             help="never answer repeated deterministic chats (temperature 0 or a fixed seed) from the cache",
+        )
+        p.add_argument(
+            "--shared-response-cache",
+            action="store_true",
+            help="one response cache for all users (default: one per user). A side channel: a user whose "
+            "chat is answered at once learns that someone else asked the same recently",
         )
         p.add_argument(
             "--allowed-origin",

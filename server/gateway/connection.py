@@ -249,6 +249,7 @@ class Connection:
             user_message=user_message,
             prefer=await self.gw.router.prefer(self.session),
             cache_key=cache_key,
+            shared_cache=settings.shared_response_cache,
         )
         if cache_key and res.outcome in ("new", "cached"):
             metrics.CACHE.labels("hit" if res.outcome == "cached" else "miss").inc()

@@ -47,6 +47,9 @@ class GatewaySettings:
     allowed_origins: tuple[str, ...] | None = None  # browser Origins allowed; None: any
     slow_reader_timeout_s: float = 10.0  # a send blocked this long closes the connection (1008)
     response_cache: bool = True  # answer repeated deterministic requests from the store's cache
+    # One cache for all users instead of one per user: more hits, but whether a prompt is answered at once
+    # tells a user that someone else asked it recently (a side channel); an operator's explicit choice.
+    shared_response_cache: bool = False
     # Degradation under load: past either threshold (0 = off), new chats get at most degrade_max_tokens
     # and only the system prompt plus the latest degrade_context_messages messages.
     degrade_queue_depth: int = 0  # requests waiting in the store's queue

@@ -30,9 +30,13 @@ class Keys:
     def session(self, session: str) -> str:
         return f"{self.prefix}sess:{session}"
 
-    def cache(self, key: str) -> str:
-        """A response-cache entry (the log of a deterministic request), by the hash of its inputs."""
-        return f"{self.prefix}cache:{key}"
+    def cache(self, key: str, owner: str | None) -> str:
+        """A response-cache entry (the log of a deterministic request), by the hash of its inputs: the
+        owner's own (``owner`` given), or shared by all owners (``None``, an operator's explicit choice:
+        a shared cache tells anyone whether someone else asked the same thing recently)."""
+        if owner is None:
+            return f"{self.prefix}cache:*:{key}"
+        return self._scoped("cache", owner, key)
 
     @property
     def queue(self) -> str:

@@ -127,6 +127,7 @@ class RequestStore:
         user_message: dict[str, str] | None = None,
         prefer: str = "",
         cache_key: str = "",
+        shared_cache: bool = False,
     ) -> SubmitResult:
         """Create request ``(owner, id)`` and queue it, or report what exists under that id. Atomic.
 
@@ -138,6 +139,8 @@ class RequestStore:
         names the worker to queue it for (session affinity), used only while that worker's lease is live.
         ``cache_key`` (deterministic requests): a recent identical request's log answers it at once
         (``cached``, state done, no worker runs); otherwise its log is cached when it ends normally.
+        The cache is the owner's own unless ``shared_cache``: then any owner's identical request answers
+        it, which tells the asker that someone asked the same recently (a side channel, SPEC.md).
         """
         k = self.keys
         st = self.settings
@@ -149,7 +152,7 @@ class RequestStore:
                 k.worker_queue(prefer) if prefer else "",
                 k.workers,
                 k.log(owner, id),
-                k.cache(cache_key) if cache_key else "",
+                k.cache(cache_key, None if shared_cache else owner) if cache_key else "",
                 k.history(session or "-"),
                 k.inflight(owner) if st.max_inflight_per_user else "",
             ],

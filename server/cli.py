@@ -40,6 +40,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         store=Settings(
             lease_ttl_ms=int(args.lease_ttl * 1000),
             detach_timeout_ms=int(args.detach_timeout * 1000),
+            retention_ms=max(1, int(getattr(args, "retention", 24 * 3600.0) * 1000)),
             max_queued=args.max_queued,
             max_inflight_per_user=getattr(args, "max_inflight_per_user", 0),
         ),
@@ -147,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
             type=float,
             default=30.0,
             help="cancel a request nobody is attached to for this long, seconds (default 30)",
+        )
+        p.add_argument(
+            "--retention",
+            type=float,
+            default=24 * 3600.0,
+            help="keep a finished request and its token log (for resume and retries) this long, seconds "
+            "(default 86400)",
         )
         p.add_argument("--name", help="this process's id in the store (default host-pid)")
         p.add_argument(

@@ -20,6 +20,13 @@ class Keys:
     def log(self, owner: str, id: str) -> str:
         return self._scoped("log", owner, id)
 
+    def log_of(self, req_key: str) -> str:
+        """The token log of the request whose hash is ``req_key`` (both names end in the same scoped id)."""
+        head = f"{self.prefix}req:"
+        if not req_key.startswith(head):
+            raise ValueError(f"not a request key under {self.prefix!r}: {req_key!r}")
+        return f"{self.prefix}log:{req_key[len(head) :]}"
+
     def inflight(self, owner: str) -> str:
         """Set of an owner's request keys that may still be queued or running (submit.lua prunes it)."""
         return f"{self.prefix}inflight:{len(owner)}:{owner}"

@@ -21,6 +21,8 @@ from server.aio import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
+WAKE_TTL_MS = 24 * 3600 * 1000
+
 
 @dataclass(frozen=True, slots=True)
 class LogEntry:
@@ -110,7 +112,11 @@ class LogReader:
             await self._wake.wait()
             self._wake.clear()
             try:
-                await self.r.xadd(self.wake_key, {"w": 1}, maxlen=16, approximate=True)
+                pipe = self.r.pipeline(transaction=False)
+                pipe.xadd(self.wake_key, {"w": 1}, maxlen=16, approximate=True)
+                # A gateway killed without stop() would leave its wake stream behind for good.
+                pipe.pexpire(self.wake_key, WAKE_TTL_MS)
+                await pipe.execute()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -247,24 +247,18 @@ class RequestStore:
     async def start(
         self, worker: str, entry_id: str, req_key: str, queue: str | None = None
     ) -> WorkItem | None:
-        """queued → running for ``worker`` and acknowledge the queue entry, in one round trip.
+        """queued → running for ``worker`` and consume the queue entry (acknowledged and deleted), in one
+        Lua transition: never one without the other.
 
-        None if the request is no longer queued (cancelled while waiting, detached too long, expired).
+        None if the request is no longer queued (cancelled while waiting, detached too long, expired); the
+        entry is consumed either way.
         """
         queue = queue or self.keys.queue
-        owner, id = await self._owner_id(req_key)
-        if owner is None:
-            await self.r.xack(queue, self.GROUP, entry_id)
-            return None
-        log_key = self.keys.log(owner, id)
-        pipe = self.r.pipeline(transaction=False)
-        await self._start(
-            keys=[req_key, self.keys.queued_count, log_key, self.keys.worker_requests(worker)],
-            args=[worker, self.settings.retention_ms],
-            client=pipe,
+        log_key = self.keys.log_of(req_key)
+        res = await self._start(
+            keys=[req_key, self.keys.queued_count, log_key, self.keys.worker_requests(worker), queue],
+            args=[worker, self.settings.retention_ms, self.GROUP, entry_id],
         )
-        pipe.xack(queue, self.GROUP, entry_id)
-        res, _ = await pipe.execute()
         if not res:
             return None
         payload = json.loads(_s(res[0]))
@@ -277,10 +271,6 @@ class RequestStore:
             epoch=int(res[2]),
             queue_wait_ms=int(res[3]),
         )
-
-    async def _owner_id(self, req_key: str) -> tuple[str | None, str]:
-        f = await self.r.hmget(req_key, ["owner", "id"])
-        return (None, "") if f[0] is None else (_s(f[0]), _s(f[1]))
 
     async def logged_tokens(self, log_key: str) -> tuple[list[int], str]:
         """The token ids and the text of a log's deltas, in order (to continue a re-queued request)."""
@@ -361,8 +351,10 @@ class RequestStore:
         return [_s(d) for d in dead or []]
 
     async def reap(self, dead_worker: str, *, own: bool = False) -> int:
-        """Re-queue a lapsed worker's running requests and move its affinity queue to the shared one,
-        atomically; -1 if its lease turned out live. ``own=True``: a draining worker hands back its own."""
+        """Re-queue a lapsed worker's running requests, and move its affinity queue and the shared-queue
+        entries it read but never started to the shared queue, atomically; the number of running requests
+        re-queued, or -1 if its lease turned out live. ``own=True``: a draining worker hands back its own.
+        Moves only work not yet acknowledged (queues hold nothing else), so its cost is bounded by that."""
         k = self.keys
         return int(
             await self._reap(
@@ -374,7 +366,7 @@ class RequestStore:
                     k.worker_queue(dead_worker),
                     k.workers_load,
                 ],
-                args=[dead_worker, "self" if own else ""],
+                args=[dead_worker, "self" if own else "", self.GROUP],
             )
         )
 

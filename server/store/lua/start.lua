@@ -1,11 +1,16 @@
--- A worker takes a queued request: queued -> running, recording which worker holds it.
+-- A worker takes a queued request: queued -> running, recording which worker holds it, and consumes the
+-- queue entry that brought it (acknowledged and deleted, so a queue holds only work not yet started).
+-- One transition: the entry is never consumed without the request moving, nor the other way round.
 -- KEYS[1] request hash, KEYS[2] queued-requests counter, KEYS[3] token log, KEYS[4] this worker's set of
---   running requests (what another worker re-queues if this one's lease lapses)
--- ARGV: 1 worker id, 2 retention_ms
--- Returns {payload, completion_tokens, epoch, queue wait ms} or false when the request is gone or no longer queued
--- (cancelled while it waited, or nobody attached for detach_timeout: then it is cancelled here).
+--   running requests (what another worker re-queues if this one's lease lapses), KEYS[5] the queue stream
+--   the entry came from
+-- ARGV: 1 worker id, 2 retention_ms, 3 consumer group, 4 queue entry id
+-- Returns {payload, completion_tokens, epoch, queue wait ms} or false when the request is gone or no longer
+-- queued (cancelled while it waited, or nobody attached for detach_timeout: then it is cancelled here).
 -- A re-queued request whose log is gone cannot be continued: it restarts from token 0 under a new epoch,
 -- so a client holding the old epoch gets resume_failed instead of a silently different stream.
+redis.call('XACK', KEYS[5], ARGV[3], ARGV[4])
+redis.call('XDEL', KEYS[5], ARGV[4])
 local req = KEYS[1]
 local f = redis.call('HMGET', req, 'state', 'attached_until', 'completion_tokens', 'updated_ms')
 if f[1] ~= 'queued' then

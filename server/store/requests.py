@@ -23,6 +23,9 @@ from redis.commands.core import AsyncScript
 from server.store.keys import Keys
 
 FINAL_STATES = frozenset({"done", "failed", "cancelled"})
+# A worker that writes at the wrong offset (a bug) gets its request taken away and re-queued this many
+# times; after that the request fails with `internal` rather than loop.
+MAX_MISMATCH_REQUEUES = 3
 
 
 def _load_script(r: aioredis.Redis, name: str) -> AsyncScript:
@@ -290,7 +293,8 @@ class RequestStore:
 
         Each op appends a delta (when it has tokens) and, when it is final, ends the request. Returns, per
         op, whether the worker still holds the request; False means stop generating it (cancelled,
-        detached too long, or taken over by another worker after this one's lease lapsed).
+        detached too long, taken over by another worker after this one's lease lapsed, or re-queued or
+        failed because the op's offset was not the log's end).
         """
         if not ops:
             return []
@@ -302,7 +306,7 @@ class RequestStore:
             n = 0
             if op.n > 0:
                 await self._append(
-                    keys=[op.item.req_key, op.item.log_key, wreqs],
+                    keys=[op.item.req_key, op.item.log_key, wreqs, self.keys.queue, self.keys.queued_count],
                     args=[
                         worker,
                         op.offset,
@@ -311,6 +315,7 @@ class RequestStore:
                         op.prompt_tokens,
                         ",".join(map(str, op.token_ids)),
                         st.retention_ms,
+                        MAX_MISMATCH_REQUEUES,
                     ],
                     client=pipe,
                 )

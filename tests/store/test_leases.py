@@ -145,3 +145,35 @@ async def test_draining_worker_hands_its_requests_back(redis: aioredis.Redis, ke
     info = await store.get("u", "r")
     assert info is not None and info.state == "queued"
     assert await store.live_workers() == {}
+
+
+async def test_offset_mismatch_requeues_then_fails_never_stays_running(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    # Before: append.lua answered -1, the worker forgot the request, and it stayed `running` under a live
+    # lease with no end entry: attached clients waited forever.
+    store = RequestStore(redis, keys)
+    await store.ensure_group()
+    await store.heartbeat("w1")
+    await store.submit("u", "r", "fp", PAYLOAD)
+    item = await _take_start(store, "w1")
+    assert item is not None
+    assert await store.write_step([StepOp(item, 0, 2, "ab", 4, token_ids=(1, 2))], "w1") == [True]
+    assert await store.write_step([StepOp(item, 5, 1, "c", 4, token_ids=(3,))], "w1") == [False]
+    info = await store.get("u", "r")
+    assert info is not None and (info.state, info.completion_tokens) == ("queued", 2)
+    assert not await redis.sismember(keys.worker_requests("w1"), item.req_key)
+    # Another worker continues it after the two logged tokens.
+    again = await _take_start(store, "w2")
+    assert again is not None and again.completion_tokens == 2
+    for _ in range(2):  # a worker that keeps getting it wrong...
+        assert await store.write_step([StepOp(again, 9, 1, "x", 4, token_ids=(3,))], "w2") == [False]
+        again = await _take_start(store, "w2")
+        assert again is not None and again.completion_tokens == 2
+    assert await store.write_step([StepOp(again, 9, 1, "x", 4, token_ids=(3,))], "w2") == [False]
+    # ... makes it fail visibly, with an end entry every attached reader gets.
+    info = await store.get("u", "r")
+    assert info is not None and (info.state, info.finish_reason) == ("failed", "error")
+    last = (await redis.xrange(item.log_key))[-1]
+    assert last[0] == b"2-2" and last[1][b"e"] == b"internal"
+    assert await redis.xlen(keys.queue) == 0

@@ -57,8 +57,12 @@ async def test_lifecycle_log_and_history(redis: aioredis.Redis, keys: Keys) -> N
 
     held = await store.write_step([StepOp(item, 0, 1, "Hel", 5), StepOp(item, 1, 2, "lo!", 5)], "w1")
     assert held == [True, True]
-    # Out-of-order or repeated offsets are refused (no gap, no repeat).
+    # Out-of-order or repeated offsets are refused (no gap, no repeat): the request goes back to the queue
+    # and is continued after the tokens logged.
     assert await store.write_step([StepOp(item, 1, 1, "x", 5)], "w1") == [False]
+    [(queue, entry_id, req_key)] = await store.take("w1", count=10, block_ms=100)
+    item = await store.start("w1", entry_id, req_key, queue)
+    assert item is not None and item.completion_tokens == 3
     # A worker that does not hold the request cannot write.
     assert await store.write_step([StepOp(item, 3, 1, "x", 5)], "intruder") == [False]
     done = await store.write_step(

@@ -68,7 +68,7 @@ class Keys:
         return f"{self.prefix}queue:w:{worker}"
 
     def worker_requests(self, worker: str) -> str:
-        """Set of the request keys a worker is running (cancel.lua builds this name itself)."""
+        """Set of the request keys a worker is running."""
         return f"{self.prefix}wreqs:{worker}"
 
     def wake(self, reader: str) -> str:

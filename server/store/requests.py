@@ -68,6 +68,7 @@ class WorkItem:
     completion_tokens: int  # > 0: a re-queued request to continue after these logged tokens
     epoch: int
     queue_wait_ms: int = 0  # from creation (or re-queue) to this start, on the Redis clock
+    cache_key: str = ""  # the response-cache entry its log is copied to when it ends normally ("" for none)
 
 
 @dataclass(slots=True)
@@ -147,6 +148,8 @@ class RequestStore:
         """
         k = self.keys
         st = self.settings
+        inflight = k.inflight(owner) if st.max_inflight_per_user else ""
+        members = sorted(_s(m) for m in await self.r.smembers(inflight)) if inflight else []
         res = await self._submit(
             keys=[
                 k.request(owner, id),
@@ -157,7 +160,8 @@ class RequestStore:
                 k.log(owner, id),
                 k.cache(cache_key, None if shared_cache else owner) if cache_key else "",
                 k.history(session or "-"),
-                k.inflight(owner) if st.max_inflight_per_user else "",
+                inflight,
+                *members,
             ],
             args=[
                 owner,
@@ -201,13 +205,20 @@ class RequestStore:
         )
 
     async def cancel(self, owner: str, id: str) -> str | None:
-        """Cancel if queued or running and end its log; returns the state before, None if unknown."""
+        """Cancel if queued or running and end its log; returns the state before, None if unknown.
+        Atomic (one Lua transition; the holder is read first so the script declares its running set)."""
         k = self.keys
-        res = await self._cancel(
-            keys=[k.request(owner, id), k.log(owner, id), k.queued_count],
-            args=[self.settings.retention_ms, k.prefix],
-        )
-        return None if res is None else _s(res)
+        req = k.request(owner, id)
+        while True:
+            worker = _s(await self.r.hget(req, "worker") or b"")
+            res = await self._cancel(
+                keys=[req, k.log(owner, id), k.queued_count, k.worker_requests(worker)],
+                args=[self.settings.retention_ms, worker],
+            )
+            if res is None:
+                return None
+            if _s(res) != "moved":
+                return _s(res)
 
     async def touch(self, req_keys: list[str]) -> int:
         """Record that clients are attached to these requests now (postpones the detach timeout)."""
@@ -273,6 +284,7 @@ class RequestStore:
             completion_tokens=int(res[1]),
             epoch=int(res[2]),
             queue_wait_ms=int(res[3]),
+            cache_key=_s(res[4]) if len(res) > 4 else "",
         )
 
     async def logged_tokens(self, log_key: str) -> tuple[list[int], str]:
@@ -322,7 +334,13 @@ class RequestStore:
                 n += 1
             if op.finish is not None:
                 await self._finish(
-                    keys=[op.item.req_key, op.item.log_key, op.item.history_key, wreqs],
+                    keys=[
+                        op.item.req_key,
+                        op.item.log_key,
+                        op.item.history_key,
+                        wreqs,
+                        op.item.cache_key or op.item.req_key,  # declared even when unused
+                    ],
                     args=[
                         worker,
                         op.finish,
@@ -361,19 +379,24 @@ class RequestStore:
         re-queued, or -1 if its lease turned out live. ``own=True``: a draining worker hands back its own.
         Moves only work not yet acknowledged (queues hold nothing else), so its cost is bounded by that."""
         k = self.keys
-        return int(
-            await self._reap(
-                keys=[
-                    k.workers,
-                    k.worker_requests(dead_worker),
-                    k.queue,
-                    k.queued_count,
-                    k.worker_queue(dead_worker),
-                    k.workers_load,
-                ],
-                args=[dead_worker, "self" if own else "", self.GROUP],
+        while True:
+            running = sorted(_s(m) for m in await self.r.smembers(k.worker_requests(dead_worker)))
+            n = int(
+                await self._reap(
+                    keys=[
+                        k.workers,
+                        k.worker_requests(dead_worker),
+                        k.queue,
+                        k.queued_count,
+                        k.worker_queue(dead_worker),
+                        k.workers_load,
+                        *running,
+                    ],
+                    args=[dead_worker, "self" if own else "", self.GROUP],
+                )
             )
-        )
+            if n != -2:  # -2: it started another request since we read its set
+                return n
 
     async def queued(self) -> int:
         """Requests waiting in the queue (all workers)."""

@@ -1,8 +1,11 @@
 -- Cancel a request that has not ended: -> cancelled, and end its log so every attached reader gets done.
--- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] queued-requests counter
--- ARGV: 1 retention_ms, 2 key prefix (to find the holding worker's set of running requests)
+-- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] queued-requests counter, KEYS[4] the set of
+--   running requests of the worker the caller saw holding it (any key when it saw none)
+-- ARGV: 1 retention_ms, 2 the worker id the caller saw in the request ("" for none)
 -- Returns the state before the call ("queued", "running", or a final state, for which nothing changes),
--- or false when the request does not exist. Idempotent: cancelling twice is the same as once.
+-- false when the request does not exist, or "moved" (nothing changed) when another worker holds it now
+-- than the caller saw: the caller reads the holder again and retries, so every key is declared.
+-- Idempotent: cancelling twice is the same as once.
 local req = KEYS[1]
 local f = redis.call('HMGET', req, 'state', 'completion_tokens', 'prompt_tokens', 'worker')
 if not f[1] then
@@ -14,10 +17,13 @@ if state ~= 'queued' and state ~= 'running' then
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if state == 'running' and (f[4] or '') ~= ARGV[2] then
+  return 'moved'
+end
 if state == 'queued' then
   redis.call('DECR', KEYS[3])
-elseif f[4] then
-  redis.call('SREM', ARGV[2] .. 'wreqs:' .. f[4], req)
+else
+  redis.call('SREM', KEYS[4], req)
 end
 redis.call('HSET', req, 'state', 'cancelled', 'finish_reason', 'cancelled', 'updated_ms', now,
   'finished_ms', now)

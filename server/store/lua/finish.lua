@@ -1,6 +1,7 @@
 -- End a running request: running -> done | failed, write the log's end entry, extend retention, and on a
 -- normal end of a session turn append the user message and the reply to the session history.
--- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] session history list, KEYS[4] the worker's set
+-- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] session history list, KEYS[4] the worker's set,
+-- KEYS[5] the request's response-cache entry (as start.lua returned it; any key when it has none)
 -- ARGV: 1 worker id, 2 finish reason (stop|length|error), 3 prompt tokens, 4 reply text,
 --       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms,
 --       10 response-cache ttl_ms
@@ -28,7 +29,7 @@ redis.call('XADD', KEYS[2], total .. '-2', unpack(entry))
 redis.call('PEXPIRE', req, ARGV[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('SREM', KEYS[4], req)
-if state == 'done' and f[5] and f[5] ~= '' then
+if state == 'done' and f[5] and f[5] ~= '' and f[5] == KEYS[5] then
   local entries = {}
   for _, e in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
     local kv = {}
@@ -37,7 +38,7 @@ if state == 'done' and f[5] and f[5] ~= '' then
       table.insert(entries, {tonumber(kv['o']), tonumber(kv['n']), kv['t'], kv['k'] or ''})
     end
   end
-  redis.call('SET', f[5], cjson.encode({e = entries, d = reason, pt = tonumber(ARGV[3])}), 'PX', ARGV[10])
+  redis.call('SET', KEYS[5], cjson.encode({e = entries, d = reason, pt = tonumber(ARGV[3])}), 'PX', ARGV[10])
 end
 if state == 'done' and f[4] and f[4] ~= '' then
   local reply = cjson.encode({role = 'assistant', content = ARGV[4]})

@@ -7,18 +7,25 @@
 -- KEYS[1] workers lease zset (member = worker id, score = lease expiry ms), KEYS[2] the dead worker's
 --   set of running requests, KEYS[3] shared work queue stream, KEYS[4] queued-requests counter,
 --   KEYS[5] the dead worker's own queue (requests routed to it by session affinity, not yet started),
---   KEYS[6] workers load hash
+--   KEYS[6] workers load hash, KEYS[7..] the members of KEYS[2] as the caller read them (declared keys)
 -- ARGV: 1 dead worker id, 2 "self" when a draining worker hands its own requests back (lease ignored),
 --   3 consumer group
--- Returns the number of running requests re-queued, or -1 if the worker's lease is in fact live.
+-- Returns the number of running requests re-queued, -1 if the worker's lease is in fact live, or -2
+-- (nothing changed) if KEYS[2] holds a request the caller did not declare: it reads the set and retries.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if ARGV[2] ~= 'self' and expiry and tonumber(expiry) >= now then
   return -1
 end
+local declared = {}
+for i = 7, #KEYS do declared[KEYS[i]] = true end
+local members = redis.call('SMEMBERS', KEYS[2])
+for _, req in ipairs(members) do
+  if not declared[req] then return -2 end
+end
 local n = 0
-for _, req in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+for _, req in ipairs(members) do
   local f = redis.call('HMGET', req, 'state', 'worker')
   if f[1] == 'running' and f[2] == ARGV[1] then
     redis.call('HSET', req, 'state', 'queued', 'worker', '', 'updated_ms', now)

@@ -5,7 +5,7 @@
 --   running requests (what another worker re-queues if this one's lease lapses), KEYS[5] the queue stream
 --   the entry came from
 -- ARGV: 1 worker id, 2 retention_ms, 3 consumer group, 4 queue entry id
--- Returns {payload, completion_tokens, epoch, queue wait ms} or false when the request is gone or no longer
+-- Returns {payload, completion_tokens, epoch, queue wait ms, response-cache key or ""} or false when the request is gone or no longer
 -- queued (cancelled while it waited, or nobody attached for detach_timeout: then it is cancelled here).
 -- A re-queued request whose log is gone cannot be continued: it restarts from token 0 under a new epoch,
 -- so a client holding the old epoch gets resume_failed instead of a silently different stream.
@@ -33,6 +33,6 @@ if tonumber(f[3]) > 0 and redis.call('EXISTS', KEYS[3]) == 0 then
 end
 redis.call('HSET', req, 'state', 'running', 'worker', ARGV[1], 'started_ms', now, 'updated_ms', now)
 redis.call('SADD', KEYS[4], req)
-local r = redis.call('HMGET', req, 'payload', 'completion_tokens', 'epoch')
+local r = redis.call('HMGET', req, 'payload', 'completion_tokens', 'epoch', 'cache_key')
 -- updated_ms was set when it was queued (or re-queued): the difference is the time it waited.
-return {r[1], tonumber(r[2]), tonumber(r[3]), now - tonumber(f[4] or now)}
+return {r[1], tonumber(r[2]), tonumber(r[3]), now - tonumber(f[4] or now), r[4] or ''}

@@ -2,7 +2,8 @@
 -- KEYS[1] request hash, KEYS[2] shared work queue stream, KEYS[3] queued-requests counter,
 -- KEYS[4] the preferred worker's own queue (session affinity; "" for none), KEYS[5] workers lease zset,
 -- KEYS[6] token log stream, KEYS[7] response-cache entry ("" when the request is not cacheable),
--- KEYS[8] session history list, KEYS[9] the owner's in-flight set ("" when there is no per-user limit)
+-- KEYS[8] session history list, KEYS[9] the owner's in-flight set ("" when there is no per-user limit),
+-- KEYS[10..] the members of KEYS[9] as the caller read them (declared, so this script may read them)
 -- ARGV: 1 owner, 2 id, 3 fingerprint, 4 payload (JSON), 5 session, 6 user message (JSON or ""),
 --       7 ttl_ms (a bound on how long an unfinished request may linger), 8 max_queued (0 = unbounded),
 --       9 detach_timeout_ms, 10 preferred worker id ("" for none), 11 retention_ms,
@@ -55,11 +56,17 @@ local max_inflight = tonumber(ARGV[14])
 if max_inflight > 0 then
   -- Forget the owner's requests that have ended (or expired) before counting. No other script keeps this
   -- set: however a request ends (done, failed, cancelled, detached, reaped and finished elsewhere), it is
-  -- simply found ended here, so the count cannot drift. The set never holds more than the limit.
-  for _, r in ipairs(redis.call('SMEMBERS', KEYS[9])) do
-    local s = redis.call('HGET', r, 'state')
-    if s ~= 'queued' and s ~= 'running' then
-      redis.call('SREM', KEYS[9], r)
+  -- simply found ended here, so the count cannot drift. The set never holds more than the limit. Only
+  -- the members the caller declared are read; one added since it read the set counts as in flight.
+  local members = {}
+  for _, r in ipairs(redis.call('SMEMBERS', KEYS[9])) do members[r] = true end
+  for i = 10, #KEYS do
+    local r = KEYS[i]
+    if members[r] then
+      local s = redis.call('HGET', r, 'state')
+      if s ~= 'queued' and s ~= 'running' then
+        redis.call('SREM', KEYS[9], r)
+      end
     end
   end
   local n = redis.call('SCARD', KEYS[9])

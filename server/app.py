@@ -151,7 +151,7 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
             worker_task.cancel()
             await gateway.stop()  # clients get 1012 and will resume
             if "worker" in state:
-                await state["worker"].drain(min(cfg.drain_timeout_s, 2.0))
+                await state["worker"].drain(cfg.drain_timeout_s)
 
 
 async def run_gateway(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:

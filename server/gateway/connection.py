@@ -41,7 +41,7 @@ from protocol import (
 from protocol.connection import ServerConnection
 from server import metrics
 from server.gateway.auth import authenticate
-from server.gateway.limits import TokenBucket, limited, user_rate
+from server.gateway.limits import TokenBucket, limited
 from server.store.logs import LogEntry
 
 if TYPE_CHECKING:
@@ -206,9 +206,7 @@ class Connection:
             raise limited(chat.id, "too many chats on this connection", wait)
         if len(self._attached) >= st.max_streams_per_connection and chat.id not in self._attached:
             raise limited(chat.id, f"at most {st.max_streams_per_connection} streams per connection", 1000)
-        wait = await user_rate(
-            self.gw.store.r, f"{self.gw.store.keys.prefix}rate:{self.owner}", st.chat_rate_per_user
-        )
+        wait = await self.gw.store.rate(self.owner, "chat", st.chat_rate_per_user)
         if wait:
             raise limited(chat.id, "too many chats for this user", wait)
 

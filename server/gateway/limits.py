@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-
 from protocol import ErrorCode, ProtocolError
 
 
@@ -30,16 +28,6 @@ class TokenBucket:
             self.tokens -= 1
             return 0
         return max(1, int((1 - self.tokens) / self.rate * 1000))
-
-
-async def user_rate(r: aioredis.Redis, key: str, limit: int, window_ms: int = 1000) -> int:
-    """A fixed-window counter shared by every gateway: 0 if allowed, else ms until the window ends."""
-    pipe = r.pipeline(transaction=True)
-    pipe.incr(key)
-    pipe.pexpire(key, window_ms, nx=True)
-    pipe.pttl(key)
-    count, _, ttl = await pipe.execute()
-    return 0 if int(count) <= limit else max(1, int(ttl))
 
 
 def limited(id: str, what: str, retry_after_ms: int) -> ProtocolError:

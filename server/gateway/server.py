@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
-import redis.asyncio as aioredis
 import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
@@ -22,7 +21,7 @@ from server.aio import cancel_and_wait
 from server.gateway.connection import Connection, handle
 from server.gateway.routing import Router
 from server.gateway.static import static_response
-from server.store.logs import LogReader
+from server.store.logs import LogReader, RedisClient
 from server.store.requests import RequestStore
 from server.store.sessions import SessionStore
 
@@ -63,7 +62,7 @@ class Gateway:
         self,
         store: RequestStore,
         sessions: SessionStore,
-        reader_redis: aioredis.Redis,
+        reader_redis: RedisClient,
         settings: GatewaySettings,
         *,
         ready: Callable[[], bool] = lambda: True,

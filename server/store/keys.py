@@ -31,6 +31,15 @@ class Keys:
         """Set of an owner's request keys that may still be queued or running (submit.lua prunes it)."""
         return f"{self.prefix}inflight:{len(owner)}:{owner}"
 
+    def rate(self, kind: str, owner: str) -> str:
+        """A fixed-window counter of an owner's actions of one kind (chats, resumes), across gateways."""
+        return f"{self.prefix}rate:{kind}:{len(owner)}:{owner}"
+
+    @property
+    def session_secret(self) -> str:
+        """The session-signing secret every gateway on this Redis shares (when none is configured)."""
+        return f"{self.prefix}session-secret"
+
     def history(self, session: str) -> str:
         return f"{self.prefix}hist:{session}"
 

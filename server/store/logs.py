@@ -23,6 +23,9 @@ log = structlog.get_logger(__name__)
 
 WAKE_TTL_MS = 24 * 3600 * 1000
 
+# The client type a LogReader reads with, for callers outside the store (the gateway never imports redis).
+RedisClient = aioredis.Redis
+
 
 @dataclass(frozen=True, slots=True)
 class LogEntry:

@@ -220,6 +220,18 @@ class RequestStore:
             if _s(res) != "moved":
                 return _s(res)
 
+    async def rate(self, owner: str, kind: str, limit: int, window_ms: int = 1000) -> int:
+        """Count one action of ``kind`` (e.g. "chat", "resume") by ``owner`` in a fixed window shared by
+        every gateway: 0 if within ``limit`` per window, else the ms until the window ends. Atomic (one
+        MULTI/EXEC: the counter and its expiry are set together, so a counter never outlives its window)."""
+        key = self.keys.rate(kind, owner)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.incr(key)
+        pipe.pexpire(key, window_ms, nx=True)
+        pipe.pttl(key)
+        count, _, ttl = await pipe.execute()
+        return 0 if int(count) <= limit else max(1, int(ttl))
+
     async def touch(self, req_keys: list[str]) -> int:
         """Record that clients are attached to these requests now (postpones the detach timeout)."""
         if not req_keys:

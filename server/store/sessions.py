@@ -44,7 +44,8 @@ class SessionStore:
         return session if hmac.compare_digest(good, token) else None
 
     async def touch(self, session: str, owner: str) -> None:
-        """Record the session (idempotent) and extend its TTL."""
+        """Record the session (idempotent) and extend its TTL and its history's. One pipelined round trip,
+        not atomic: each command is idempotent, so a partial run is completed by the next touch."""
         k = self.keys.session(session)
         pipe = self.r.pipeline(transaction=False)
         pipe.hsetnx(k, "owner", owner)
@@ -53,16 +54,17 @@ class SessionStore:
         await pipe.execute()
 
     async def history(self, session: str) -> list[dict[str, str]]:
+        """The session's messages, oldest first (one LRANGE: a consistent snapshot)."""
         raw = await self.r.lrange(self.keys.history(session), 0, -1)
         return [json.loads(x) for x in raw]
 
 
 async def shared_secret(r: aioredis.Redis, keys: Keys, configured: str | None) -> bytes:
     """The session-signing secret: the configured one, else one generated once and kept in Redis so that
-    every gateway on this Redis signs and verifies alike."""
+    every gateway on this Redis signs and verifies alike (SET NX: the first gateway's secret wins)."""
     if configured:
         return configured.encode()
-    k = f"{keys.prefix}session-secret"
+    k = keys.session_secret
     await r.set(k, secrets.token_hex(32), nx=True)
     v = await r.get(k)
     assert v is not None

@@ -134,7 +134,8 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
     _stop_on_signals(stop)
     async with open_store(cfg, embedded_ok=True) as h:
         state: dict[str, Any] = {}
-        gateway = await start_gateway(cfg, h, ready=lambda: "worker" in state)
+        # Ready once the worker is up, and not while it cannot reach Redis (it takes no work then).
+        gateway = await start_gateway(cfg, h, ready=lambda: "worker" in state and state["worker"].store_ok)
         worker_task = asyncio.create_task(start_worker(cfg, h))
         stop_task = asyncio.create_task(stop.wait())
         try:

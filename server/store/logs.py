@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from server.aio import cancel_and_wait
+from server.store.requests import execute
 
 log = structlog.get_logger(__name__)
 
@@ -119,7 +120,7 @@ class LogReader:
                 pipe.xadd(self.wake_key, {"w": 1}, maxlen=16, approximate=True)
                 # A gateway killed without stop() would leave its wake stream behind for good.
                 pipe.pexpire(self.wake_key, WAKE_TTL_MS)
-                await pipe.execute()
+                await execute(pipe)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -33,6 +33,15 @@ def _load_script(r: aioredis.Redis, name: str) -> AsyncScript:
     return r.register_script(source)
 
 
+async def execute(pipe: Any) -> Any:
+    """Run a pipeline and always give its connection back, even when Redis is gone mid-way (redis-py
+    keeps it otherwise, and warns about an unclosed client when the pipeline is collected)."""
+    try:
+        return await pipe.execute()
+    finally:
+        await pipe.reset()
+
+
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -229,7 +238,7 @@ class RequestStore:
         pipe.incr(key)
         pipe.pexpire(key, window_ms, nx=True)
         pipe.pttl(key)
-        count, _, ttl = await pipe.execute()
+        count, _, ttl = await execute(pipe)
         return 0 if int(count) <= limit else max(1, int(ttl))
 
     async def touch(self, req_keys: list[str]) -> int:
@@ -369,7 +378,7 @@ class RequestStore:
                 )
                 n += 1
             calls.append(n)
-        results = await pipe.execute()
+        results = await execute(pipe)
         out: list[bool] = []
         i = 0
         for n in calls:
@@ -420,7 +429,7 @@ class RequestStore:
         pipe.time()
         pipe.zrange(self.keys.workers, 0, -1, withscores=True)
         pipe.hgetall(self.keys.workers_load)
-        (sec, usec), members, loads = await pipe.execute()
+        (sec, usec), members, loads = await execute(pipe)
         now = int(sec) * 1000 + int(usec) // 1000
         out: dict[str, tuple[int, int]] = {}
         for member, expiry in members:

@@ -10,6 +10,7 @@ import secrets
 import redis.asyncio as aioredis
 
 from server.store.keys import Keys
+from server.store.requests import execute
 
 
 class SessionStore:
@@ -51,7 +52,7 @@ class SessionStore:
         pipe.hsetnx(k, "owner", owner)
         pipe.pexpire(k, self.ttl_ms)
         pipe.pexpire(self.keys.history(session), self.ttl_ms)
-        await pipe.execute()
+        await execute(pipe)
 
     async def history(self, session: str) -> list[dict[str, str]]:
         """The session's messages, oldest first (one LRANGE: a consistent snapshot)."""

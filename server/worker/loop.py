@@ -59,12 +59,25 @@ class _Timing:
 
 class Worker:
     def __init__(
-        self, store: RequestStore, engine: Engine, *, name: str | None = None, max_running: int = 64
+        self,
+        store: RequestStore,
+        engine: Engine,
+        *,
+        name: str | None = None,
+        max_running: int = 64,
+        max_buffered_steps: int = 2048,
     ) -> None:
         self.store = store
         self.engine = engine
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.max_running = max_running
+        # Engine steps held while Redis is unreachable; past this the worker stops generating and hands
+        # its requests back once Redis returns (they continue after their logged tokens).
+        self.max_buffered_steps = max_buffered_steps
+        self.store_ok = True  # the last store call succeeded (probes: not ready while False)
+        self._store_up = asyncio.Event()
+        self._store_up.set()
+        self._hand_back = False  # requests were shed during an outage: hand them back when Redis returns
         self._items: dict[str, WorkItem] = {}
         self._replies: dict[str, list[str]] = {}
         self._timing: dict[str, _Timing] = {}
@@ -124,9 +137,22 @@ class Worker:
         await self.stop()
         return handed
 
+    def _store_failed(self, exc: Exception) -> None:
+        if self.store_ok:
+            log.warning("worker.store_unreachable", error=str(exc), worker=self.name)
+        self.store_ok = False
+        self._store_up.clear()
+
+    def _store_answered(self) -> None:
+        if not self.store_ok:
+            log.info("worker.store_back", worker=self.name)
+        self.store_ok = True
+        self._store_up.set()
+
     async def _take_loop(self) -> None:
         while True:
             await self._room.wait()
+            await self._store_up.wait()  # no new work while Redis is unreachable
             try:
                 room = self.max_running - len(self._items)
                 entries = await self.store.take(self.name, count=max(1, room), block_ms=1000)
@@ -140,13 +166,15 @@ class Worker:
                         self._run(item, *resume)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("worker.take_failed")
+            except Exception as exc:
+                log.warning("worker.take_failed", error=str(exc))
+                self._store_failed(exc)
                 await asyncio.sleep(0.5)
 
     async def _heartbeat(self) -> list[str]:
         dead = await self.store.heartbeat(self.name, len(self._items), self.max_running)
         self.last_heartbeat = time.monotonic()
+        self._store_answered()
         return dead
 
     async def _lease_loop(self) -> None:
@@ -155,6 +183,12 @@ class Worker:
             await asyncio.sleep(self.lease_period_s)
             self.last_tick = time.monotonic()
             try:
+                if self._hand_back:
+                    # Back after an outage in which this worker shed its requests: re-queue them (they
+                    # continue after their logged tokens), then take a lease again.
+                    n = await self.store.reap(self.name, own=True)
+                    self._hand_back = False
+                    log.warning("worker.handed_back_after_outage", requests=n, worker=self.name)
                 for dead in await self._heartbeat():
                     n = await self.store.reap(dead)
                     if n >= 0:
@@ -165,6 +199,7 @@ class Worker:
                 raise
             except Exception as exc:
                 log.warning("worker.heartbeat_failed", error=str(exc))
+                self._store_failed(exc)
 
     def _run(self, item: WorkItem, resume: list[int], resumed_text: str) -> None:
         p = item.payload
@@ -203,17 +238,40 @@ class Worker:
 
     async def _write(self, ops: list[StepOp]) -> list[bool]:
         """Write a step, retrying through a store outage: dropping it would leave a gap in the logs.
-        The engine keeps running meanwhile; its later steps queue up and go out together."""
+        The engine keeps running meanwhile; its later steps queue up and go out together. Retries are
+        safe (append and finish accept a repeat of what this worker already wrote). If the backlog passes
+        ``max_buffered_steps``, the worker sheds its requests instead (see ``_shed``)."""
         delay = 0.05
         while True:
             try:
-                return await self.store.write_step(ops, self.name)
+                held = await self.store.write_step(ops, self.name)
+                self._store_answered()
+                return held
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self._store_failed(exc)
+                if self._steps.qsize() >= self.max_buffered_steps:
+                    self._shed()
+                    return [False] * len(ops)
                 log.warning("worker.write_failed", error=str(exc), retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    def _shed(self) -> None:
+        """Redis has been away too long for the buffer: stop generating everything and drop what was not
+        written. The requests stay running for this worker in the store, with the tokens logged so far;
+        when Redis is back the lease loop hands them back (re-queued, continued after those tokens), so
+        nothing is lost or repeated, and memory stays bounded however long the outage."""
+        log.warning("worker.shed", requests=len(self._items), steps=self._steps.qsize(), worker=self.name)
+        for key in list(self._items):
+            self.engine.cancel(key)
+        while not self._steps.empty():
+            self._steps.get_nowait()
+        self._items.clear()
+        self._replies.clear()
+        self._timing.clear()
+        self._hand_back = True
 
     async def _write_loop(self) -> None:
         while True:

@@ -8,7 +8,8 @@ soon as the process starts and long after its engine thread died. Now:
   alive and the event loop still runs the lease loop (it ticks every lease_ttl / 3); 503 otherwise, so a
   wedged worker gets restarted. A Redis outage is not a liveness failure: restarting would not fix it.
 * ``/readyz`` (readiness): 200 only when the model is loaded, the worker is taking work (not draining),
-  and its last heartbeat reached Redis within the lease TTL; 503 with the reason otherwise.
+  its last store call succeeded (not while Redis is unreachable: it takes no work then) and its last
+  heartbeat reached Redis within the lease TTL; 503 with the reason otherwise.
 
 Served from a thread (as prometheus-client's own server is): answering never waits on the event loop or
 the engine, it only reads the worker's state.
@@ -67,6 +68,8 @@ class Probes:
             return False, why
         if w.draining:
             return False, "draining"
+        if not w.store_ok:
+            return False, "Redis is unreachable"
         if w.last_heartbeat is None or time.monotonic() - w.last_heartbeat > w.lease_ttl_s:
             return False, "no heartbeat has reached Redis within the lease TTL"
         return True, "ok"

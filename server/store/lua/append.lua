@@ -6,7 +6,7 @@
 -- The stream entry id is "<offset>-1", so XRANGE/XREAD from "<offset>-0" start exactly at that offset and a
 -- second write of the same offset is impossible. Token ids (and the writing worker) are logged so that another worker can continue
 -- the request from the prompt plus these tokens (re-prefill) if this one dies.
--- Returns 1 on success; 0 when the request is no longer running for this worker (cancelled, taken over)
+-- Returns 1 on success (also for a retry of a delta this worker already logged); 0 when the request is no longer running for this worker (cancelled, taken over)
 -- or has had nobody attached for detach_timeout (then it is cancelled here): the worker must stop
 -- generating it; -1 when the offset is not the log's end (a bug in the caller): then the request is
 -- re-queued (a worker continues it after the tokens logged, so the stream goes on with no gap), or after
@@ -28,6 +28,19 @@ if tonumber(f[4] or '0') < now then
   return 0
 end
 local offset = tonumber(ARGV[2])
+local n = tonumber(ARGV[3])
+-- A retry of a write whose reply was lost (Redis went away mid-pipeline): the same delta is already
+-- logged, so it succeeds again without a second copy.
+if offset + n <= tonumber(f[3]) then
+  local e = redis.call('XRANGE', KEYS[2], offset .. '-1', offset .. '-1')
+  if e[1] then
+    local kv = {}
+    for i = 1, #e[1][2], 2 do kv[e[1][2][i]] = e[1][2][i + 1] end
+    if tonumber(kv['n']) == n and kv['w'] == ARGV[1] then
+      return 1
+    end
+  end
+end
 if tonumber(f[3]) ~= offset then
   redis.call('SREM', KEYS[3], req)
   if redis.call('HINCRBY', req, 'mismatches', 1) > tonumber(ARGV[8]) then
@@ -45,7 +58,6 @@ if tonumber(f[3]) ~= offset then
   end
   return -1
 end
-local n = tonumber(ARGV[3])
 redis.call('XADD', KEYS[2], offset .. '-1', 'o', offset, 'n', n, 't', ARGV[4], 'k', ARGV[6], 'w', ARGV[1])
 redis.call('HSET', req, 'completion_tokens', offset + n, 'prompt_tokens', ARGV[5])
 return 1

@@ -6,9 +6,13 @@
 --       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms,
 --       10 response-cache ttl_ms
 -- A request that carries a response-cache key and ends normally leaves a copy of its log in the cache.
--- Returns 1, or 0 when the request is not running for this worker (then nothing changes).
+-- Returns 1 (also for a retry of this worker's own finish), or 0 when the request is not running for this
+-- worker (then nothing changes).
 local req = KEYS[1]
 local f = redis.call('HMGET', req, 'state', 'worker', 'completion_tokens', 'user_msg', 'cache_key')
+if f[2] == ARGV[1] and (f[1] == 'done' or f[1] == 'failed') then
+  return 1  -- a retry of this worker's own finish whose reply was lost: already done
+end
 if f[1] ~= 'running' or f[2] ~= ARGV[1] then
   return 0
 end

@@ -43,6 +43,7 @@ from server import metrics
 from server.gateway.auth import authenticate
 from server.gateway.limits import TokenBucket, limited
 from server.store.logs import LogEntry
+from server.store.requests import FINAL_STATES
 
 if TYPE_CHECKING:
     from server.gateway.server import Gateway, GatewaySettings
@@ -99,6 +100,8 @@ class Connection:
         self.session = ""
         self.owner = ""
         self._attached: dict[str, asyncio.Task[None]] = {}
+        self._waiting: set[asyncio.Task[None]] = set()  # content turns waiting for the previous turn
+        self._turn_chain: asyncio.Task[None] | None = None  # the last of them
         self._send_lock = asyncio.Lock()
         rate = gw.settings.chat_rate_per_connection
         self._bucket = TokenBucket(rate=rate, burst=2 * rate)
@@ -117,7 +120,7 @@ class Connection:
         except ConnectionClosed:
             pass
         finally:
-            for task in self._attached.values():
+            for task in [*self._attached.values(), *self._waiting]:
                 task.cancel()
             # A disconnect never cancels a request: it runs on and its log fills for a later resume.
             self._attached.clear()
@@ -139,11 +142,29 @@ class Connection:
         self.proto.send(frame)
         await self._flush()
 
-    async def _handle(self, frame: ClientFrame) -> None:
+    async def _handle(self, frame: ClientFrame, *, waited: bool = False) -> None:
         try:
             if isinstance(frame, Hello):
                 await self._hello(frame)
             elif isinstance(frame, Chat):
+                before = self._turn_chain
+                if (
+                    not waited
+                    and frame.content is not None
+                    and (
+                        (before is not None and not before.done()) or (await self._previous_turn(frame.id))[1]
+                    )
+                ):
+                    # Its session's previous turn is still running: this one waits for it (content mode,
+                    # SPEC.md) without holding up this connection's other frames; turns sent on this
+                    # connection are accepted in the order they were sent.
+                    task = asyncio.create_task(
+                        self._handle_after_wait(frame, before), name=f"turn-{frame.id}"
+                    )
+                    self._waiting.add(task)
+                    task.add_done_callback(self._waiting.discard)
+                    self._turn_chain = task
+                    return
                 await self._chat(frame)
             elif isinstance(frame, Resume):
                 await self._resume(frame.id, frame.offset, frame.epoch)
@@ -163,6 +184,31 @@ class Connection:
                 self.proto.fail(err, CloseCode.INTERNAL_ERROR)
             else:
                 self.proto.send_error(err)
+
+    async def _handle_after_wait(self, chat: Chat, before: asyncio.Task[None] | None) -> None:
+        if before is not None:
+            await asyncio.wait({before})  # the turn sent before this one on this connection goes first
+        await self._handle(chat, waited=True)
+        await self._flush()
+
+    async def _previous_turn(self, id: str) -> tuple[str, bool]:
+        """The session's latest content-mode turn ("" if none) and whether it is still unfinished."""
+        prev = await self.gw.sessions.last_turn(self.session)
+        if not prev or prev == id:
+            return prev, False
+        info = await self.gw.store.get(self.owner, prev)
+        return prev, info is not None and info.state not in FINAL_STATES
+
+    async def _wait_previous_turn(self, id: str) -> str:
+        """Wait until the session's latest content turn has ended; its id ("" for none). A turn then
+        sees the reply of the one before it, whichever connection or gateway sent either."""
+        delay = 0.02
+        while True:
+            prev, pending = await self._previous_turn(id)
+            if not pending:
+                return prev
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
     async def _hello(self, hello: Hello) -> None:
         try:
@@ -210,8 +256,9 @@ class Connection:
         if wait:
             raise limited(chat.id, "too many chats for this user", wait)
 
-    async def _chat(self, chat: Chat) -> None:
-        await self._check_limits(chat)
+    async def _chat(self, chat: Chat, *, limits_checked: bool = False) -> None:
+        if not limits_checked:
+            await self._check_limits(chat)
         fingerprint = hashlib.sha256(chat.canonical().encode()).hexdigest()
         params = chat.params.to_wire()
         # The server's own limit, advertised in welcome.limits.max_tokens, caps what a client asks for.
@@ -221,7 +268,9 @@ class Connection:
             # A fixed seed per request makes a re-run (another worker after a crash) draw the same text.
             params["seed"] = secrets.randbits(63)
         user_message = None
+        turn_after: str | None = None
         if chat.content is not None:
+            turn_after = await self._wait_previous_turn(chat.id)
             user_message = {"role": "user", "content": chat.content}
             messages = [*await self.gw.sessions.history(self.session), user_message]
         else:
@@ -248,7 +297,11 @@ class Connection:
             prefer=await self.gw.router.prefer(self.session),
             cache_key=cache_key,
             shared_cache=settings.shared_response_cache,
+            turn_after=turn_after,
         )
+        if res.outcome == "turn_moved":
+            # Another turn of this session was accepted meanwhile (another connection): wait for it too.
+            return await self._chat(chat, limits_checked=True)
         if cache_key and res.outcome in ("new", "cached"):
             metrics.CACHE.labels("hit" if res.outcome == "cached" else "miss").inc()
         if res.outcome in ("conflict", "overloaded", "user_limit"):

@@ -67,7 +67,30 @@ def exit_status(report: dict[str, Any]) -> int:
     return 0
 
 
+def run_soak_from_args(args: argparse.Namespace) -> int:
+    from server.load.soak import SoakConfig, print_report, run_soak
+
+    if not args.url or not args.redis_url:
+        print("tokenwire load: --scenario soak needs the server's URL and --redis-url", file=sys.stderr)
+        return 2
+    cfg = SoakConfig(
+        url=args.url,
+        redis_url=args.redis_url,
+        requests=args.requests or 10_000,
+        users=args.users,
+        key_prefix=args.key_prefix,
+        retention_s=args.retention,
+        json_path=args.json_path,
+    )
+    report = asyncio.run(run_soak(cfg))
+    print_report(report)
+    rq = report["requests"]
+    return 2 if rq["finished"] == 0 else (1 if rq["failed"] or not report["target_met"] else 0)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
+    if getattr(args, "scenario", "chat") == "soak":
+        return run_soak_from_args(args)
     try:
         cfg = config_from_args(args)
     except ValueError as exc:

@@ -220,6 +220,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument(
         "--server-pid", type=int, help="a local server's pid: report its memory per idle connection"
     )
+    k = p.add_argument_group("soak (--scenario soak: does the store's memory come back after retention?)")
+    k.add_argument(
+        "--scenario",
+        choices=("chat", "soak"),
+        default="chat",
+        help="chat: the workload above (default); soak: --requests short chats (default 10000), then wait "
+        "out --retention and report the store's memory at start, peak and end (needs --redis-url)",
+    )
+    k.add_argument(
+        "--redis-url", help="soak: the server's Redis (give it one of its own: used_memory is global)"
+    )
+    k.add_argument("--key-prefix", default="tw:", help="soak: the server's --key-prefix (default tw:)")
+    k.add_argument(
+        "--retention", type=float, default=60.0, help="soak: the server's --retention, seconds (default 60)"
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", dest="json_path", type=Path, metavar="FILE", help="write the report as JSON")
     o.add_argument(

@@ -48,7 +48,7 @@ def _s(v: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class SubmitResult:
-    outcome: str  # "new" | "attach" | "conflict" | "overloaded"
+    outcome: str  # "new" | "attach" | "conflict" | "overloaded" | "user_limit" | "cached" | "turn_moved"
     epoch: int
     state: str
     queued: int = 0
@@ -141,6 +141,7 @@ class RequestStore:
         prefer: str = "",
         cache_key: str = "",
         shared_cache: bool = False,
+        turn_after: str | None = None,
     ) -> SubmitResult:
         """Create request ``(owner, id)`` and queue it, or report what exists under that id. Atomic.
 
@@ -154,6 +155,10 @@ class RequestStore:
         (``cached``, state done, no worker runs); otherwise its log is cached when it ends normally.
         The cache is the owner's own unless ``shared_cache``: then any owner's identical request answers
         it, which tells the asker that someone asked the same recently (a side channel, SPEC.md).
+        ``turn_after`` (content-mode turns of ``session``): the id of the session's latest turn, as
+        ``SessionStore.last_turn`` gave it, which the caller waited for and whose reply its history holds
+        ("" for the first turn). If another turn was accepted since → ``turn_moved``, nothing written;
+        otherwise this request becomes the session's latest turn. None: not a content-mode turn.
         """
         k = self.keys
         st = self.settings
@@ -170,6 +175,7 @@ class RequestStore:
                 k.cache(cache_key, None if shared_cache else owner) if cache_key else "",
                 k.history(session or "-"),
                 inflight,
+                k.session(session or "-"),
                 *members,
             ],
             args=[
@@ -187,6 +193,8 @@ class RequestStore:
                 st.history_max_messages,
                 st.session_ttl_ms,
                 st.max_inflight_per_user,
+                "" if turn_after is None else "1",
+                turn_after or "",
             ],
         )
         outcome, epoch, state = _s(res[0]), int(res[1]), _s(res[2])

@@ -54,6 +54,12 @@ class SessionStore:
         pipe.pexpire(self.keys.history(session), self.ttl_ms)
         await execute(pipe)
 
+    async def last_turn(self, session: str) -> str:
+        """The id of the session's latest content-mode turn ("" if none): the next turn waits for it to
+        end, then passes it to ``RequestStore.submit(turn_after=...)``, which checks it atomically."""
+        v = await self.r.hget(self.keys.session(session), "turn")
+        return "" if v is None else v.decode() if isinstance(v, bytes) else str(v)
+
     async def history(self, session: str) -> list[dict[str, str]]:
         """The session's messages, oldest first (one LRANGE: a consistent snapshot)."""
         raw = await self.r.lrange(self.keys.history(session), 0, -1)

@@ -3,14 +3,18 @@
 -- KEYS[4] the preferred worker's own queue (session affinity; "" for none), KEYS[5] workers lease zset,
 -- KEYS[6] token log stream, KEYS[7] response-cache entry ("" when the request is not cacheable),
 -- KEYS[8] session history list, KEYS[9] the owner's in-flight set ("" when there is no per-user limit),
--- KEYS[10..] the members of KEYS[9] as the caller read them (declared, so this script may read them)
+-- KEYS[10] the session hash (content-mode turns: its "turn" field names the session's latest turn),
+-- KEYS[11..] the members of KEYS[9] as the caller read them (declared, so this script may read them)
 -- ARGV: 1 owner, 2 id, 3 fingerprint, 4 payload (JSON), 5 session, 6 user message (JSON or ""),
 --       7 ttl_ms (a bound on how long an unfinished request may linger), 8 max_queued (0 = unbounded),
 --       9 detach_timeout_ms, 10 preferred worker id ("" for none), 11 retention_ms,
---       12 history max messages, 13 session ttl_ms, 14 max requests in flight per owner (0 = unbounded)
+--       12 history max messages, 13 session ttl_ms, 14 max requests in flight per owner (0 = unbounded),
+--       15 "1" for a content-mode turn, 16 the id of the session's latest turn the caller waited for ("" none)
 -- Returns {"attach", epoch, state} | {"conflict", 0, state} | {"overloaded", queued, ""} | {"new", 1, "queued"}
 --       | {"user_limit", in_flight, ""} (the owner already has that many queued or running; nothing written)
 --       | {"cached", 1, "done"} (answered from the response cache: the log is written, no worker runs)
+--       | {"turn_moved", 0, ""} (a content turn: another turn of the session was accepted since the caller
+--         read ARGV[16]; nothing written: wait for that one and read the history again)
 local req = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -22,6 +26,17 @@ if existing[1] then
     return {'attach', tonumber(existing[2]), existing[3]}
   end
   return {'conflict', 0, existing[3]}
+end
+-- Content-mode turns of a session are accepted one after another: each names the turn it waited for.
+-- (The new turn is recorded where the request is created, below: a refused request is no turn.)
+local function record_turn()
+  if ARGV[15] == '1' then
+    redis.call('HSET', KEYS[10], 'turn', ARGV[2])
+    redis.call('PEXPIRE', KEYS[10], ARGV[13])
+  end
+end
+if ARGV[15] == '1' and (redis.call('HGET', KEYS[10], 'turn') or '') ~= ARGV[16] then
+  return {'turn_moved', 0, ''}
 end
 -- A deterministic request seen recently: write its cached log and finish it here. Checked before the
 -- queue limit, so cached answers are still served under overload.
@@ -49,6 +64,7 @@ if KEYS[7] ~= '' then
       redis.call('LTRIM', KEYS[8], -tonumber(ARGV[12]), -1)
       redis.call('PEXPIRE', KEYS[8], ARGV[13])
     end
+    record_turn()
     return {'cached', 1, 'done'}
   end
 end
@@ -60,7 +76,7 @@ if max_inflight > 0 then
   -- the members the caller declared are read; one added since it read the set counts as in flight.
   local members = {}
   for _, r in ipairs(redis.call('SMEMBERS', KEYS[9])) do members[r] = true end
-  for i = 10, #KEYS do
+  for i = 11, #KEYS do
     local r = KEYS[i]
     if members[r] then
       local s = redis.call('HGET', r, 'state')
@@ -100,4 +116,5 @@ if KEYS[4] ~= '' then
   end
 end
 redis.call('XADD', queue, '*', 'req', req)
+record_turn()
 return {'new', 1, 'queued'}

@@ -1,0 +1,59 @@
+"""Content-mode turns of one session are accepted one after another: a turn sent before the previous one
+ended waits for it, so each turn sees the one before it (SPEC.md, content mode). Before, both read the
+same history and the earlier turn was left out of the later one's conversation."""
+
+from __future__ import annotations
+
+from protocol import Accepted, Chat, Delta, Done, Params, Ping, Pong
+from server.client import Client
+from tests.gateway.conftest import Running
+
+
+async def test_turns_sent_at_once_are_taken_in_order(server: Running) -> None:
+    server.engine.step_s = 0.02  # the first turn is still running when the others arrive
+    c = await Client.connect(server.url)
+    params = Params(max_tokens=6, seed=3)
+    for i, word in enumerate(("one", "two", "three")):
+        await c.send(Chat(id=f"t{i}", content=word, params=params))
+    await c.send(Ping(ts=7))  # not held up by the waiting turns
+    order: list[str] = []
+    texts: dict[str, str] = {"t0": "", "t1": "", "t2": ""}
+    pong_before_t1 = None
+    done = 0
+    while done < 3:
+        f = await c.recv()
+        if isinstance(f, Pong):
+            pong_before_t1 = "accepted:t1" not in order
+        elif isinstance(f, Accepted | Done):
+            order.append(f"{type(f).__name__.lower()}:{f.id}")
+            done += isinstance(f, Done)
+        elif isinstance(f, Delta):
+            texts[f.id] += f.text
+    await c.close()
+    assert order == ["accepted:t0", "done:t0", "accepted:t1", "done:t1", "accepted:t2", "done:t2"]
+    assert pong_before_t1 is True
+    # The fake reply opens with the number of messages the engine saw: 1, then 3, then 5.
+    assert texts["t0"].startswith("re[1] one")
+    assert texts["t1"].startswith("re[3] two")
+    assert texts["t2"].startswith("re[5] three")
+
+
+async def test_turns_of_one_session_on_two_connections_each_see_the_previous(server: Running) -> None:
+    server.engine.step_s = 0.02
+    a = await Client.connect(server.url)
+    assert a.welcome is not None
+    b = await Client.connect(server.url, session_token=a.welcome.session_token)
+    params = Params(max_tokens=6, seed=3)
+    await a.send(Chat(id="x", content="first", params=params))
+    await b.send(Chat(id="y", content="second", params=params))
+    texts: dict[str, str] = {}
+    for client, rid in ((a, "x"), (b, "y")):
+        text = ""
+        async for f in client.frames_for(rid):
+            if isinstance(f, Delta):
+                text += f.text
+        texts[rid] = text
+    await a.close()
+    await b.close()
+    # Whichever was accepted second saw the first one's turn.
+    assert sorted(t.split(" ")[0] for t in texts.values()) == ["re[1]", "re[3]"]

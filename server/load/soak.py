@@ -1,6 +1,7 @@
 """``tokenwire load URL --scenario soak --redis-url R``: does the store's memory come back?
 
-Sends N short requests, then waits out the server's retention, and reports the Redis it was given (the
+Connects its users and warms the server up (one request each, then the retention passes: the baseline),
+sends N short requests, then waits out the server's retention, and reports the Redis it was given (the
 server's own: ``used_memory``, key counts by type, stream lengths) at the start, at the peak (all N
 finished and retained) and at the end, plus the bytes kept per finished request during retention. The
 target (DESIGN.md §6): after retention, memory within 10 % of the start and no stream longer than a small
@@ -66,39 +67,51 @@ async def snapshot(r: aioredis.Redis, prefix: str) -> dict[str, Any]:
     }
 
 
-async def _user(cfg: SoakConfig, n: int, stats: Counter[str]) -> None:
-    client = await Client.connect(cfg.url)
-    try:
-        for i in range(n):
-            while True:
-                rid = uuid.uuid4().hex
-                messages = [{"role": "user", "content": f"soak request {i}: say something short"}]
-                params = Params(max_tokens=cfg.max_tokens, cache=False)
-                outcome = "failed"
-                async for f in client.chat(messages=messages, id=rid, params=params):
-                    if isinstance(f, Done):
-                        outcome = "finished"
-                    elif isinstance(f, Error) and f.code in ("rate_limited", "overloaded"):
-                        outcome = "limited"
-                        await asyncio.sleep((f.retry_after_ms or 100) / 1000)
-                stats[outcome] += 1
-                if outcome != "limited":
-                    break
-    finally:
-        await client.close()
+async def _send(cfg: SoakConfig, client: Client, n: int, stats: Counter[str]) -> None:
+    for i in range(n):
+        while True:
+            rid = uuid.uuid4().hex
+            messages = [{"role": "user", "content": f"soak request {i}: say something short"}]
+            params = Params(max_tokens=cfg.max_tokens, cache=False)
+            outcome = "failed"
+            async for f in client.chat(messages=messages, id=rid, params=params):
+                if isinstance(f, Done):
+                    outcome = "finished"
+                elif isinstance(f, Error) and f.code in ("rate_limited", "overloaded"):
+                    outcome = "limited"
+                    await asyncio.sleep((f.retry_after_ms or 100) / 1000)
+            stats[outcome] += 1
+            if outcome != "limited":
+                break
+
+
+async def _settle(r: aioredis.Redis, cfg: SoakConfig, floor: int) -> dict[str, Any]:
+    """Wait out the retention, then for Redis to expire what it released (lazily and in a background
+    cycle): until at most ``floor`` keys are left or ``settle_s`` passes."""
+    await asyncio.sleep(cfg.retention_s)
+    snap = await snapshot(r, cfg.key_prefix)
+    deadline = time.monotonic() + cfg.settle_s
+    while snap["keys"] > floor and time.monotonic() < deadline:
+        await asyncio.sleep(2.0)
+        snap = await snapshot(r, cfg.key_prefix)
+    return snap
 
 
 async def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     r = aioredis.from_url(cfg.redis_url)
+    clients = [await Client.connect(cfg.url) for _ in range(cfg.users)]
     try:
-        start = await snapshot(r, cfg.key_prefix)
+        # The baseline is the server in its steady state: every user connected (its session kept), the
+        # server's connection pool and scripts warmed by one request each, and those retained and expired.
+        warm: Counter[str] = Counter()
+        await asyncio.gather(*(_send(cfg, c, 1, warm) for c in clients))
+        before = await snapshot(r, cfg.key_prefix)
+        start = await _settle(r, cfg, before["keys"] - 2 * warm["finished"])
         peak_memory = start["used_memory"]
         stats: Counter[str] = Counter()
-        per_user = [
-            cfg.requests // cfg.users + (1 if u < cfg.requests % cfg.users else 0) for u in range(cfg.users)
-        ]
+        per_user = [cfg.requests // cfg.users + (u < cfg.requests % cfg.users) for u in range(cfg.users)]
         t0 = time.monotonic()
-        users = asyncio.gather(*(_user(cfg, n, stats) for n in per_user if n))
+        users = asyncio.gather(*(_send(cfg, c, n, stats) for c, n in zip(clients, per_user, strict=True)))
         while True:
             try:
                 await asyncio.wait_for(asyncio.shield(users), 2.0)
@@ -108,14 +121,7 @@ async def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         sent_s = time.monotonic() - t0
         peak = await snapshot(r, cfg.key_prefix)
         peak_memory = max(peak_memory, peak["used_memory"])
-        # Wait out the retention, then for the expiry of what it released (Redis expires keys lazily and
-        # in a background cycle), until the key count stops falling or settle_s passes.
-        await asyncio.sleep(cfg.retention_s)
-        end = await snapshot(r, cfg.key_prefix)
-        deadline = time.monotonic() + cfg.settle_s
-        while end["keys"] > start["keys"] + cfg.users * 2 and time.monotonic() < deadline:
-            await asyncio.sleep(2.0)
-            end = await snapshot(r, cfg.key_prefix)
+        end = await _settle(r, cfg, start["keys"])
         finished = stats["finished"]
         longest_end = max((s["length"] for s in end["longest_streams"]), default=0)
         report = {
@@ -144,6 +150,8 @@ async def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             and longest_end <= MAX_STREAM_LEN,
         }
     finally:
+        for c in clients:
+            await c.close()
         await r.aclose()
     if cfg.json_path is not None:
         cfg.json_path.write_text(json.dumps(report, indent=2))

@@ -117,7 +117,7 @@ class LogReader:
             self._wake.clear()
             try:
                 pipe = self.r.pipeline(transaction=False)
-                pipe.xadd(self.wake_key, {"w": 1}, maxlen=16, approximate=True)
+                pipe.xadd(self.wake_key, {"w": 1}, maxlen=16, approximate=False)  # exact: it stays tiny
                 # A gateway killed without stop() would leave its wake stream behind for good.
                 pipe.pexpire(self.wake_key, WAKE_TTL_MS)
                 await execute(pipe)

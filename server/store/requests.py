@@ -267,11 +267,16 @@ class RequestStore:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    async def take(self, worker: str, count: int, block_ms: int) -> list[tuple[str, str, str]]:
+    async def take(
+        self, worker: str, count: int, block_ms: int, *, pending: bool = False
+    ) -> list[tuple[str, str, str]]:
         """Next entries for this worker from its own queue and the shared one, in one blocking read:
-        [(queue, entry id, request key)]. Blocks up to ``block_ms``."""
+        [(queue, entry id, request key)]. Blocks up to ``block_ms``. ``pending=True``: instead, the
+        entries already delivered to this worker and not yet started (after a failure between reading
+        and starting them; without this they would wait for this worker's death to be re-queued)."""
         own = self.keys.worker_queue(worker)
-        streams: Any = {own: ">", self.keys.queue: ">"}
+        start = "0" if pending else ">"
+        streams: Any = {own: start, self.keys.queue: start}
         try:
             res: Any = await self.r.xreadgroup(self.GROUP, worker, streams, count=count, block=block_ms)
         except aioredis.ResponseError as exc:
@@ -284,7 +289,8 @@ class RequestStore:
         out: list[tuple[str, str, str]] = []
         for stream, entries in res or []:
             for entry_id, fields in entries:
-                out.append((_s(stream), _s(entry_id), _s(fields[b"req"])))
+                if fields:  # a pending entry deleted meanwhile comes back without fields
+                    out.append((_s(stream), _s(entry_id), _s(fields[b"req"])))
         return out
 
     async def start(

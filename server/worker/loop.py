@@ -78,6 +78,7 @@ class Worker:
         self._store_up = asyncio.Event()
         self._store_up.set()
         self._hand_back = False  # requests were shed during an outage: hand them back when Redis returns
+        self._retake_pending = False
         self._items: dict[str, WorkItem] = {}
         self._replies: dict[str, list[str]] = {}
         self._timing: dict[str, _Timing] = {}
@@ -155,7 +156,10 @@ class Worker:
             await self._store_up.wait()  # no new work while Redis is unreachable
             try:
                 room = self.max_running - len(self._items)
-                entries = await self.store.take(self.name, count=max(1, room), block_ms=1000)
+                pending = self._retake_pending
+                entries = await self.store.take(self.name, count=max(1, room), block_ms=1000, pending=pending)
+                if pending and not entries:
+                    self._retake_pending = False
                 for queue, entry_id, req_key in entries:
                     item = await self.store.start(self.name, entry_id, req_key, queue)
                     if item is not None:
@@ -169,6 +173,7 @@ class Worker:
             except Exception as exc:
                 log.warning("worker.take_failed", error=str(exc))
                 self._store_failed(exc)
+                self._retake_pending = True  # entries read but not started are still ours: read them again
                 await asyncio.sleep(0.5)
 
     async def _heartbeat(self) -> list[str]:

@@ -65,3 +65,16 @@ async def test_reaping_moves_only_unstarted_work(redis: aioredis.Redis, keys: Ke
     started = [await store.start("w2", e, r, q) for q, e, r in again]
     assert all(s is not None for s in started) and len(started) == 2
     assert await redis.xlen(keys.queue) == 0
+
+
+async def test_entries_read_but_not_started_are_read_again(redis: aioredis.Redis, keys: Keys) -> None:
+    # A worker that failed between reading an entry and starting it (Redis went away) reads it again,
+    # instead of leaving its request queued until the worker dies.
+    store = RequestStore(redis, keys)
+    await store.ensure_group("w1")
+    await store.submit("u", "a", "fp", {**PAYLOAD, "id": "a"})
+    [(queue, entry_id, req_key)] = await store.take("w1", count=5, block_ms=100)
+    assert await store.take("w1", count=5, block_ms=100) == []  # ">" delivers it once
+    assert await store.take("w1", count=5, block_ms=100, pending=True) == [(queue, entry_id, req_key)]
+    assert await store.start("w1", entry_id, req_key, queue) is not None
+    assert await store.take("w1", count=5, block_ms=100, pending=True) == []

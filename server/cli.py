@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "worker then uses one core whatever its threads; gateways and Redis are left unpinned",
     )
     k.add_argument("--lease-ttl", type=float, default=10.0)
+    k.add_argument("--retention", type=float, default=24 * 3600.0, help="seconds (default 86400)")
     k.add_argument("--log-level", default="info")
     k.set_defaults(func=_cluster)
 

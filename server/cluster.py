@@ -45,6 +45,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         args.key_prefix,
         "--lease-ttl",
         str(args.lease_ttl),
+        "--retention",
+        str(getattr(args, "retention", 24 * 3600.0)),
         "--log-level",
         args.log_level,
     ]

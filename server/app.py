@@ -58,6 +58,17 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
+async def refuse_cluster(r: aioredis.Redis) -> None:
+    """Stop with a clear message on a Redis Cluster, which the store does not support yet (its scripts
+    would fail later with CROSSSLOT or MOVED, in the middle of serving)."""
+    info = await r.info("cluster")
+    if int(info.get("cluster_enabled", 0)):
+        raise SystemExit(
+            "tokenwire: this Redis is a Redis Cluster node; the store needs one shard (non-cluster mode) "
+            "for now: see deploy/README.md, 'Managed Redis'"
+        )
+
+
 @contextlib.asynccontextmanager
 async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[StoreHandles]:
     """Connect to ``cfg.redis_url``, or start the embedded Valkey when allowed and none is given."""
@@ -78,6 +89,7 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
     reader = aioredis.from_url(url)
     try:
         await r.ping()
+        await refuse_cluster(r)
         yield StoreHandles(r, reader, RequestStore(r, Keys(cfg.key_prefix), cfg.store), url)
     finally:
         await r.aclose()

@@ -207,7 +207,8 @@ def _render_soak(soak: dict[str, Any]) -> list[str]:
         "| --- | ---: | ---: | ---: |",
         *rows,
         "",
-        f"Bytes kept per finished request during retention: **{soak['bytes_per_finished_request']:,}**. "
+        f"Bytes kept per finished request during retention: **{soak['bytes_per_finished_request']:,}** "
+        f"(the {soak['requests_kept_at_peak']:,} requests kept at the peak, above the start). "
         f"End / start memory **{soak['end_vs_start_memory']}** (target ≤ 1.10, longest stream ≤ 16): "
         f"target {'met' if soak['target_met'] else 'NOT met'}.",
     ]

@@ -57,9 +57,11 @@ async def snapshot(r: aioredis.Redis, prefix: str) -> dict[str, Any]:
     lengths = await pipe.execute() if streams else []
     longest = sorted(zip(lengths, streams, strict=True), reverse=True)[:3]
     info = await r.info("memory")
+    head = f"{prefix}req:".encode()
     return {
         "used_memory": int(info["used_memory"]),
         "keys": len(keys),
+        "requests": sum(1 for k in keys if k.startswith(head)),  # request records kept
         "by_type": dict(Counter(types)),
         "streams": len(streams),
         "longest_streams": [{"key": k.decode(), "length": int(n)} for n, k in longest],
@@ -143,7 +145,12 @@ async def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             "start": start,
             "peak": {**peak, "used_memory_max_sampled": peak_memory},
             "end": end,
-            "bytes_per_finished_request": round((peak_memory - start["used_memory"]) / max(1, finished)),
+            # What one finished request costs while it is retained: the memory the requests kept at the
+            # peak snapshot hold above the baseline, per request (record + token log + their overhead).
+            "requests_kept_at_peak": peak["requests"] - start["requests"],
+            "bytes_per_finished_request": round(
+                (peak["used_memory"] - start["used_memory"]) / max(1, peak["requests"] - start["requests"])
+            ),
             "end_vs_start_memory": round(end["used_memory"] / max(1, start["used_memory"]), 3),
             "longest_stream_at_end": longest_end,
             "target_met": end["used_memory"] <= start["used_memory"] * (1 + MEMORY_TOLERANCE)

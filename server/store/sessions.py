@@ -12,7 +12,6 @@ import redis.asyncio as aioredis
 
 from server.store.keys import Keys
 
-
 # What new_id() makes (token_urlsafe); anything else in a session_token's first part is not ours.
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 

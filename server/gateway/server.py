@@ -44,6 +44,8 @@ class GatewaySettings:
     chat_rate_per_connection: float = 10.0  # chats per second, bursts of twice that
     chat_rate_per_user: int = 50  # chats per second per user, across all gateways
     max_streams_per_connection: int = 64  # requests one connection may follow at once
+    resume_rate_per_connection: float = 10.0  # resumes per second, bursts of max(2 x that, max_streams)
+    resume_rate_per_user: int = 200  # resumes per second per user, across all gateways
     allowed_origins: tuple[str, ...] | None = None  # browser Origins allowed; None: any
     slow_reader_timeout_s: float = 10.0  # a send blocked this long closes the connection (1008)
     response_cache: bool = True  # answer repeated deterministic requests from the store's cache

@@ -93,6 +93,8 @@ async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gatewa
     port = await gateway.start()
     tune_for_long_lived_objects()
     # The line tests and scripts wait for; stdout, unbuffered.
+    if gateway.metrics_server is not None:
+        print(f"tokenwire metrics on {gateway.metrics_server.url}", flush=True)
     print(f"tokenwire listening on ws://{cfg.gateway.host}:{port}{WS_PATH}", flush=True)
     return gateway
 

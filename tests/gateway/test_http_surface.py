@@ -105,3 +105,9 @@ async def test_metrics_port_serves_metrics_and_the_client_port_does_not(
         assert (await _http(server.port, "GET", "/metrics"))[0] == 404
         assert (await _http(mport, "GET", "/healthz"))[0] == 404
         assert (await _http(mport, "POST", "/metrics"))[0] == 405
+
+
+async def test_a_request_with_a_body_is_refused_and_the_server_serves_on(server: Running) -> None:
+    with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
+        await _http(server.port, "POST", "/healthz", b'{"x": 1}')
+    assert (await _http(server.port, "GET", "/healthz"))[0] == 200

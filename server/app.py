@@ -83,8 +83,10 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
         url = await asyncio.get_running_loop().run_in_executor(None, valkey.start)
     # A blocking pool: a burst of thousands of handshakes waits for a connection instead of failing with
     # "Too many connections" (redis-py's default pool raises past 100).
-    r = aioredis.Redis(
-        connection_pool=aioredis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30)
+    # from_pool: the client owns the pool, so closing it closes the pool's connections too. The URL may
+    # be redis://[user:password@]host, rediss:// (TLS) or unix://path (the embedded Valkey).
+    r = aioredis.Redis.from_pool(
+        aioredis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30)
     )
     reader = aioredis.from_url(url)
     try:
@@ -105,6 +107,8 @@ async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gatewa
     port = await gateway.start()
     tune_for_long_lived_objects()
     # The line tests and scripts wait for; stdout, unbuffered.
+    if gateway.metrics_server is not None:
+        print(f"tokenwire metrics on {gateway.metrics_server.url}", flush=True)
     print(f"tokenwire listening on ws://{cfg.gateway.host}:{port}{WS_PATH}", flush=True)
     return gateway
 

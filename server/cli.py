@@ -36,6 +36,8 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             degrade_ttft_s=getattr(args, "degrade_ttft", 0.0),
             degrade_max_tokens=getattr(args, "degrade_max_tokens", 128),
             degrade_context_messages=getattr(args, "degrade_context_messages", 8),
+            metrics_port=getattr(args, "metrics_port", None),
+            metrics_host=getattr(args, "metrics_host", None),
         ),
         store=Settings(
             lease_ttl_ms=int(args.lease_ttl * 1000),
@@ -197,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             help="one response cache for all users (default: one per user). A side channel: a user whose "
             "chat is answered at once learns that someone else asked the same recently",
         )
+        p.add_argument(
+            "--metrics-port",
+            type=int,
+            help="serve Prometheus /metrics on this port (0: a free one) and not on --port; without it "
+            "/metrics is on --port, and only while auth is off",
+        )
+        p.add_argument("--metrics-host", help="address for --metrics-port (default: --host)")
         p.add_argument(
             "--allowed-origin",
             action="append",

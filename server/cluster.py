@@ -16,10 +16,13 @@ from pathlib import Path
 STOP_GRACE_S = 20.0
 
 
-def _spawn(name: str, args: list[str]) -> subprocess.Popen[str]:
+def _spawn(name: str, args: list[str], redis_url: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "server.cli", *args]
-    # stdout is read for the "listening"/"ready" lines; stderr (the logs) goes straight to ours.
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+    # The store's URL (it may hold a password) goes in the environment, not the command line other
+    # local users can read in ps. stdout is read for the "listening"/"ready" lines; stderr (the logs)
+    # goes straight to ours.
+    env = {**os.environ, "TOKENWIRE_REDIS_URL": redis_url}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
 
 
 def _relay(name: str, proc: subprocess.Popen[str], ready: threading.Event) -> None:
@@ -39,8 +42,6 @@ def run_cluster(args: argparse.Namespace) -> int:
         valkey = EmbeddedValkey(Path(args.data_dir or os.environ.get("TOKENWIRE_DATA") or ".tokenwire"))
         url = valkey.start()
     common = [
-        "--redis-url",
-        url,
         "--key-prefix",
         args.key_prefix,
         "--lease-ttl",
@@ -65,7 +66,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             wargs = ["worker", *common, "--name", f"worker-{i}", "--threads", str(args.threads_per_worker)]
             if args.model:
                 wargs += ["--model", args.model]
-            procs[f"worker-{i}"] = proc = _spawn(f"worker-{i}", wargs)
+            procs[f"worker-{i}"] = proc = _spawn(f"worker-{i}", wargs, url)
             if args.pin_workers:
                 # Set before the child has imported torch, so its every thread inherits the one CPU.
                 os.sched_setaffinity(proc.pid, {cpus[i % len(cpus)]})
@@ -80,7 +81,7 @@ def run_cluster(args: argparse.Namespace) -> int:
                 "--port",
                 str(args.port + i),
             ]
-            procs[f"gateway-{i}"] = _spawn(f"gateway-{i}", gargs)
+            procs[f"gateway-{i}"] = _spawn(f"gateway-{i}", gargs, url)
         for name, proc in procs.items():
             ev = threading.Event()
             readies.append(ev)

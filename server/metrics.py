@@ -7,7 +7,13 @@ export their own.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest, make_wsgi_app
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -67,3 +73,43 @@ REQUEUED = Counter("tokenwire_requests_requeued_total", "requests re-queued from
 def render() -> tuple[bytes, str]:
     """The exposition text and its content type."""
     return generate_latest(), CONTENT_TYPE_LATEST
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scraped every few seconds: no access log
+        return
+
+
+class MetricsServer:
+    """``GET /metrics`` on a port of its own (a gateway's ``--metrics-port``), served from a daemon thread
+    so a scrape never waits on the event loop. Other paths are 404, other methods 405."""
+
+    def __init__(self, port: int, host: str) -> None:
+        self._metrics = make_wsgi_app()
+        self._httpd = make_server(host, port, self, _Server, handler_class=_QuietHandler)
+        self.port: int = self._httpd.server_port
+        self.url = f"http://{host}:{self.port}/metrics"
+        threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True).start()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found; metrics are at /metrics\n"]
+        if environ.get("REQUEST_METHOD") != "GET":
+            start_response("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET")])
+            return [b"method not allowed; allowed: GET\n"]
+        result: Iterable[bytes] = self._metrics(environ, start_response)
+        return result
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def serve_metrics(port: int, host: str) -> MetricsServer:
+    """Start serving ``/metrics`` on ``host:port`` (0: a free port, see ``.port``)."""
+    return MetricsServer(port, host)

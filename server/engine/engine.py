@@ -111,6 +111,7 @@ class BatchingEngine(ThreadedEngine):
         self._sched_waiting = 0  # new requests waiting in the scheduler (engine thread's view)
         self.steps = 0
         self.step_seconds = 0.0  # time inside steps (forward + sampling + bookkeeping)
+        self._kv_usage = 0.0  # read by the worker's gauge from another thread: a float, set per step
 
     def _new_scheduler(self) -> Scheduler:
         c = self.config
@@ -150,9 +151,14 @@ class BatchingEngine(ThreadedEngine):
         with self._lock:
             self._inbox_submits -= 1
 
+    def kv_usage(self) -> float:
+        """Share of the KV cache in use after the last step (the tokenwire_kv_cache_usage_ratio gauge)."""
+        return self._kv_usage
+
     def _after_step(self) -> None:
         with self._lock:
             self._sched_waiting = self.sched.new_waiting()
+        self._kv_usage = self.sched.table.usage()
 
     def _step(self) -> list[StepOutput]:
         t0 = time.perf_counter()

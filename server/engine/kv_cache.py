@@ -239,6 +239,13 @@ class SlotTable:
     def cached_tokens(self) -> int:
         return sum(p.kv_len for p in self.prefixes.values())
 
+    def usage(self) -> float:
+        """Share of the KV memory (slots weighted by their length) held by running sequences and cached
+        prefixes: 0.0 empty, 1.0 every slot taken."""
+        total = sum(len(p.holders) * p.slot_len for p in self._pools)
+        held = sum(p.slot_len for p in self._pools for h in p.holders if h is not None)
+        return held / total
+
     # ---- internals ---------------------------------------------------------------------------------
 
     def remember(self, prefix: CachedPrefix) -> None:

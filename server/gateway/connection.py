@@ -105,6 +105,12 @@ class Connection:
         self._send_lock = asyncio.Lock()
         rate = gw.settings.chat_rate_per_connection
         self._bucket = TokenBucket(rate=rate, burst=2 * rate)
+        # Resumes replay whole logs: limited like chats, with a burst that lets one reconnect resume
+        # every stream it may hold (a hello.resume of max_streams points).
+        rrate = gw.settings.resume_rate_per_connection
+        self._resume_bucket = TokenBucket(
+            rate=rrate, burst=max(2 * rrate, float(gw.settings.max_streams_per_connection))
+        )
         self.log = log.bind(server=gw.name)
 
     async def run(self) -> None:
@@ -250,11 +256,27 @@ class Connection:
         wait = self._bucket.take()
         if wait:
             raise limited(chat.id, "too many chats on this connection", wait)
-        if len(self._attached) >= st.max_streams_per_connection and chat.id not in self._attached:
-            raise limited(chat.id, f"at most {st.max_streams_per_connection} streams per connection", 1000)
+        self._check_room(chat.id)
         wait = await self.gw.store.rate(self.owner, "chat", st.chat_rate_per_user)
         if wait:
             raise limited(chat.id, "too many chats for this user", wait)
+
+    def _check_room(self, id: str) -> None:
+        """Refuse a new stream past max_streams, however it would attach (chat, resume, hello.resume, a
+        retry); a new chat/resume of an id already attached here replaces that stream (§8.9): no room
+        needed."""
+        cap = self.gw.settings.max_streams_per_connection
+        if len(self._attached) >= cap and id not in self._attached:
+            raise limited(id, f"at most {cap} streams per connection", 1000)
+
+    async def _check_resume_limits(self, id: str) -> None:
+        wait = self._resume_bucket.take()
+        if wait:
+            raise limited(id, "too many resumes on this connection", wait)
+        self._check_room(id)
+        wait = await self.gw.store.rate(self.owner, "resume", self.gw.settings.resume_rate_per_user)
+        if wait:
+            raise limited(id, "too many resumes for this user", wait)
 
     async def _chat(self, chat: Chat, *, limits_checked: bool = False) -> None:
         if not limits_checked:
@@ -331,6 +353,7 @@ class Connection:
 
     async def _resume(self, id: str, offset: int, epoch: int | None) -> None:
         metrics.RESUMES.inc()
+        await self._check_resume_limits(id)
         info = await self.gw.store.get(self.owner, id)
         if info is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=id)

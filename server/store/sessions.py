@@ -5,12 +5,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import secrets
 
 import redis.asyncio as aioredis
 
 from server.store.keys import Keys
 from server.store.requests import execute
+
+# What new_id() makes (token_urlsafe); anything else in a session_token's first part is not ours.
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class SessionStore:
@@ -37,12 +41,16 @@ class SessionStore:
         return user if user is not None else f"anon:{session}"
 
     def verify(self, token: str, user: str | None) -> str | None:
-        """The session id if ``token`` was issued to this user (or this anonymous session); else None."""
+        """The session id if ``token`` was issued to this user (or this anonymous session); else None.
+
+        Any string is safe to pass: a token of another shape (length, alphabet, non-ASCII) is None.
+        """
         session, _, mac = token.partition(".")
-        if not session or not mac:
+        if not _SESSION_ID.fullmatch(session) or not mac:
             return None
         good = self.token(session, self.owner_for(session, user))
-        return session if hmac.compare_digest(good, token) else None
+        # Bytes, not str: compare_digest raises TypeError on a str that is not ASCII.
+        return session if hmac.compare_digest(good.encode(), token.encode("utf-8", "replace")) else None
 
     async def touch(self, session: str, owner: str) -> None:
         """Record the session (idempotent) and extend its TTL and its history's. One pipelined round trip,

@@ -76,6 +76,12 @@ class Probes:
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
+        if path not in ("/healthz", "/readyz", "/metrics"):
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found; this port serves /metrics, /healthz and /readyz\n"]
+        if environ.get("REQUEST_METHOD") != "GET":
+            start_response("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET")])
+            return [b"method not allowed; allowed: GET\n"]
         check = {"/healthz": self.live, "/readyz": self.ready}.get(path)
         if check is None:
             result: Iterable[bytes] = self._metrics(environ, start_response)

@@ -220,6 +220,20 @@ def test_gateway_deployment_probes_and_port() -> None:
     assert c["resources"]["requests"]["cpu"], "the CPU HPA needs a CPU request"
 
 
+def test_gateway_is_scraped_on_its_metrics_port_not_the_client_port() -> None:
+    # /metrics is not served on the client port once auth is on: Prometheus must scrape --metrics-port,
+    # and the Service (the clients' way in) must not reach it.
+    d = gateway()
+    c = only_container(d)
+    metrics_port = int(flag(c["args"], "--metrics-port"))
+    assert metrics_port != PORT and metrics_port in [p["containerPort"] for p in c["ports"]]
+    annotations = d["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(metrics_port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+    svc = resource("Service", "tokenwire-gateway")
+    assert all(port_number(c, p["targetPort"]) != metrics_port for p in svc["spec"]["ports"])
+
+
 def test_gateway_prestop_leaves_time_to_deregister_within_the_grace_period() -> None:
     spec = gateway()["spec"]["template"]["spec"]
     pre_stop = only_container(gateway())["lifecycle"]["preStop"]

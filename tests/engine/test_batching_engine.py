@@ -218,3 +218,33 @@ def test_default_pools_split_the_budget() -> None:
     assert (short, long) == (512, 2048) and n_short >= 48 and n_long >= 1
     assert (n_short * short + n_long * long) * per_token <= 1536 << 20
     assert default_pools(256, 256, 4, 1 << 30) == ((8, 256),)  # small context: one pool
+
+
+def test_kv_usage_reports_the_slots_held_each_step(tiny: LoadedModel) -> None:
+    """The tokenwire_kv_cache_usage_ratio gauge reads kv_usage(): it rises while sequences hold slots,
+    keeps a session's cached prefix, and falls to 0 when nothing is held."""
+    e = engine(tiny)
+    seen: list[tuple[int, float]] = []  # (outputs in this step, usage after it), on the engine thread
+
+    def on_step(outs: list[StepOutput]) -> None:
+        seen.append((len(outs), e.kv_usage()))
+        c(outs)
+
+    c = Collector()
+    e.start(on_step)
+    try:
+        assert e.kv_usage() == 0.0
+        p = SamplingParams(max_tokens=12, temperature=0)
+        e.submit(GenerationRequest("u1", msg("Hello"), p))
+        e.submit(GenerationRequest("u2", msg("Hello there"), p, session="s1"))
+        c.until_done({"u1", "u2"})
+    finally:
+        e.stop()
+    running = [u for n, u in seen[:-1]]
+    assert running and all(0.0 < u <= 1.0 for u in running)
+    # After the last step: u1's slot is free; s1's prefix is kept for its next turn (prefix reuse).
+    total = sum(n * length for n, length in POOLS)
+    held = e.sched.table.usage() * total
+    assert seen[-1][1] == e.sched.table.usage() and 0 < held < total
+    e.sched.table.drop_prefix(e.sched.table.prefixes["s1"])
+    assert e.sched.table.usage() == 0.0

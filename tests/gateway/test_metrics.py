@@ -7,14 +7,17 @@ import asyncio
 import io
 import json
 import urllib.request
+from pathlib import Path
 
+import redis.asyncio as aioredis
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol import Params
 from server.client import Client, collect
 from server.logs import configure
-from tests.gateway.conftest import Running
+from server.store.keys import Keys
+from tests.gateway.conftest import Running, running_server
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -35,12 +38,19 @@ async def test_metrics_parse_and_move(server: Running) -> None:
     _, _, done, _ = await collect(c.chat("count me", id="m1", params=Params(max_tokens=7)))
     await collect(c.chat("count me", id="m1", params=Params(max_tokens=7)))  # idempotent attach
     after = await loop.run_in_executor(None, _scrape, server.port)
-    await c.close()
 
     def delta(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
+    # The worker counts a step's tokens after its write to Redis returns, and a client may see the done
+    # (read from Redis) first: wait for the last step's counters rather than race them.
+    for _ in range(300):
+        if delta("tokenwire_requests_finished_total", reason="length") >= 1:
+            break
+        await asyncio.sleep(0.05)
+        after = await loop.run_in_executor(None, _scrape, server.port)
+    await c.close()
     assert done is not None
     assert delta("tokenwire_tokens_generated_total") == done.offset == 7
     assert delta("tokenwire_chat_requests_total", outcome="new") == 1
@@ -85,3 +95,27 @@ async def test_request_log_lines_are_bound_and_carry_no_text(server: Running) ->
     for x in mine:
         assert x.get("session") and x.get("server") and "user" in x, x
     assert "secret prompt" not in buf.getvalue()
+
+
+async def test_kv_cache_gauge_is_fed_by_the_batching_engine(
+    redis: aioredis.Redis, redis_url: str, keys: Keys, tiny_model_dir: Path
+) -> None:
+    from server.engine.engine import BatchingEngine
+    from server.engine.model import load_model
+
+    engine = BatchingEngine(load_model(tiny_model_dir))
+    async with running_server(redis, redis_url, keys, engine=engine) as server:
+        loop = asyncio.get_running_loop()
+        c = await Client.connect(server.url)
+        _, _, done, _ = await collect(c.chat("keep my turn", params=Params(max_tokens=6, temperature=0)))
+        assert done is not None
+        # The session's KV stays cached for its next turn (prefix reuse), so the gauge stays above 0
+        # until the worker's done has been written; wait for the engine's own figure, then compare.
+        for _ in range(300):
+            if engine.kv_usage() > 0:
+                break
+            await asyncio.sleep(0.05)
+        after = await loop.run_in_executor(None, _scrape, server.port)
+        await c.close()
+    gauge = after[("tokenwire_kv_cache_usage_ratio", ())]
+    assert 0 < gauge <= 1 and gauge == engine.kv_usage()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import socket
 import time
 import urllib.error
@@ -107,3 +108,27 @@ def test_readiness_reasons() -> None:
     w.draining = True
     assert probes.ready() == (False, "draining")
     assert probes.live() == (True, "ok")  # draining is not dying
+
+
+async def test_probe_port_answers_404_for_other_paths_and_405_for_other_methods() -> None:
+    port = _free_port()
+    serve_probes(port, "127.0.0.1")
+
+    def request(method: str, path: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            conn.request(method, path)
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    loop = asyncio.get_running_loop()
+    for method, path, status in [
+        ("GET", "/", 404),
+        ("GET", "/nope", 404),
+        ("GET", "/metrics", 200),
+        ("POST", "/metrics", 405),
+        ("DELETE", "/healthz", 405),
+        ("PUT", "/readyz", 405),
+    ]:
+        assert await loop.run_in_executor(None, request, method, path) == status, (method, path)

@@ -238,8 +238,7 @@ _HUGE = "1" + "0" * 400  # a JSON integer no float can hold
     ids=["ping_ts", "temperature", "top_p"],
 )
 def test_huge_json_integer_in_a_number_field_is_a_bad_frame(text: str) -> None:
-    conn = _feed(JSON_SUBPROTOCOL, text, after_hello=True)
-    assert conn.close_code is None
+    _expect_bad_frame(JSON_SUBPROTOCOL, text)
 
 
 @pytest.mark.parametrize(
@@ -252,12 +251,29 @@ def test_huge_json_integer_in_a_number_field_is_a_bad_frame(text: str) -> None:
 )
 def test_deeply_nested_msgpack_value_is_a_bad_frame(prefix: bytes) -> None:
     # msgpack itself accepts up to 1023 levels; the error message's repr() of the value does not.
-    _feed(MSGPACK_SUBPROTOCOL, prefix + b"\x91" * 1010 + b"\xc0", after_hello=True)
+    _expect_bad_frame(MSGPACK_SUBPROTOCOL, prefix + b"\x91" * 1010 + b"\xc0")
 
 
 def test_lone_surrogate_in_json_id_is_not_echoed() -> None:
     # Before hello, the (readable) id is echoed in the error; "\ud800" cannot be sent in a text message.
-    _feed(JSON_SUBPROTOCOL, '{"type":"chat","id":"\\ud800","content":"hi"}', after_hello=False)
+    conn = ServerConnection(JSON_SUBPROTOCOL)
+    conn.receive_data('{"type":"chat","id":"\\ud800","content":"hi"}')
+    assert conn.events_received() == []
+    [error] = _check_outputs(conn)
+    assert error.code == ErrorCode.BAD_FRAME and error.id is None, error
+
+
+def _expect_bad_frame(subprotocol: str, message: bytes | str) -> Error:
+    """What the tests named "... is a bad frame" assert: one `bad_frame` error, no event, still open."""
+    conn = ServerConnection(subprotocol)
+    conn.receive_data(conn.codec.encode(HELLO))
+    assert len(conn.events_received()) == 1
+    conn.receive_data(message)
+    assert conn.events_received() == []
+    [error] = _check_outputs(conn)
+    assert error.code == ErrorCode.BAD_FRAME, error
+    assert conn.close_code is None
+    return error
 
 
 def test_lone_surrogate_in_json_content_is_a_bad_frame() -> None:

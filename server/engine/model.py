@@ -13,11 +13,13 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
+
+from server.engine.prompt import ChatPrompter
 
 log = structlog.get_logger(__name__)
 
@@ -47,16 +49,19 @@ class LoadedModel:
     device: str
     dtype: Any
     load_seconds: float
+    _prompter: ChatPrompter | None = field(default=None, repr=False)
+
+    @property
+    def prompter(self) -> ChatPrompter:
+        """The chat template and tokenizer as prompt.py uses them (content tokenised as plain text)."""
+        if self._prompter is None:
+            self._prompter = ChatPrompter.for_tokenizer(self.tokenizer)
+        return self._prompter
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` through the model's chat template, ready for the assistant's turn."""
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return [int(t) for t in self.tokenizer.encode(text)]
+        """Token ids of ``messages`` through the model's chat template, ready for the assistant's turn;
+        special-token strings inside a message's content are tokenised as ordinary text."""
+        return self.prompter.encode(messages)
 
     def decode(self, ids: Any) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))

@@ -15,6 +15,7 @@ import torch
 from server.engine import llama
 from server.engine.api import Engine, EngineOverloaded, GenerationRequest, StepOutput
 from server.engine.model import LoadedModel
+from server.engine.profile import StepProfile
 from server.engine.prompt import PromptTooLarge, checked_ids
 from server.engine.runner import Runner, kv_bytes_per_token
 from server.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
@@ -115,6 +116,7 @@ class BatchingEngine(ThreadedEngine):
         self._sched_waiting = 0  # new requests waiting in the scheduler (engine thread's view)
         self.steps = 0
         self.step_seconds = 0.0  # time inside steps (forward + sampling + bookkeeping)
+        self.profile: StepProfile | None = None  # set by the bench: per-step phase times
 
     def _new_scheduler(self) -> Scheduler:
         c = self.config
@@ -167,6 +169,9 @@ class BatchingEngine(ThreadedEngine):
             self._sched_waiting = self.sched.new_waiting()
 
     def _step(self) -> list[StepOutput]:
+        prof = self.profile
+        if prof is not None:
+            return self._profiled_step(prof)
         t0 = time.perf_counter()
         batch = self.sched.schedule()
         tokens = self.runner.step(batch)
@@ -175,6 +180,24 @@ class BatchingEngine(ThreadedEngine):
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
         return outs
+
+    def _profiled_step(self, prof: StepProfile) -> list[StepOutput]:
+        prof.begin()
+        batch = self.sched.schedule()
+        prof.lap("schedule")
+        tokens = self.runner.step(batch, prof.lap)
+        outs = self.sched.postprocess(batch, tokens)
+        prof.lap("postprocess")
+        rows = sum(1 for w in batch.work if w.n == 1)
+        prof.end(rows, sum(w.n for w in batch.work) - rows)
+        self.tokens_generated += len(tokens)
+        self.steps += 1
+        self.step_seconds += prof.steps[-1].seconds
+        return outs
+
+    def _handed_off(self, seconds: float) -> None:
+        if self.profile is not None:
+            self.profile.add_to_last("hand-off", seconds)
 
     def _fail_running(self, exc: Exception) -> list[StepOutput]:
         outs = [

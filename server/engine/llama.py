@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from server.engine.profile import Lap, no_lap
+
 Tensor = torch.Tensor
 
 # Model types whose HF modules have exactly the Llama layout (q/k/v/o, gate/up/down, two RMSNorms,
@@ -346,25 +348,42 @@ def attention(q: Tensor, k_cache: list[tuple[Tensor, Tensor]], layout: StepLayou
     return out.view(T, shape.n_heads * hd)
 
 
-def forward(w: Weights, shape: Shape, cache: Cache, layout: StepLayout) -> Tensor:
+def forward(w: Weights, shape: Shape, cache: Cache, layout: StepLayout, lap: Lap = no_lap) -> Tensor:
     """Run one step's tokens through the model, writing their K/V into the cache; returns float32
-    logits [R, V] at ``layout.logits_at``."""
+    logits [R, V] at ``layout.logits_at``. ``lap`` marks phase boundaries for the step profile."""
     T = layout.ids.shape[0]
     kv, hd = shape.n_kv_heads, shape.head_dim
     cos = w.cos[layout.positions].to(w.embed.dtype)[:, None, :]  # [T, 1, Hd]
     sin = w.sin[layout.positions].to(w.embed.dtype)[:, None, :]
     x = F.embedding(layout.ids, w.embed)  # [T, D]
+    lap("other")
     for i, L in enumerate(w.layers):
         h = rms_norm(x, L.attn_norm, shape.eps)
+        lap("norms+rotary")
         q = linear(h, L.q).contiguous().view(T, shape.n_heads, hd)  # [T, H, Hd]
         k = linear(h, L.k).contiguous().view(T, kv, hd)  # [T, KV, Hd]
         v = linear(h, L.v).contiguous().view(T, kv, hd)
+        lap("linear")
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        lap("norms+rotary")
         cache.data[i, 0].index_copy_(0, layout.write_rows, k.reshape(T * kv, hd))
         cache.data[i, 1].index_copy_(0, layout.write_rows, v.reshape(T * kv, hd))
         views = [cache.layer_pool(i, p) for p in range(len(cache.pools))]
-        x = x + linear(attention(q, views, layout, shape), L.o)  # [T, D]
+        lap("other")
+        a = attention(q, views, layout, shape)
+        lap("attention")
+        x = x + linear(a, L.o)  # [T, D]
+        lap("linear")
         h = rms_norm(x, L.mlp_norm, shape.eps)
-        x = x + linear(F.silu(linear(h, L.gate)) * linear(h, L.up), L.down)  # [T, I] -> [T, D]
+        lap("norms+rotary")
+        g, u = linear(h, L.gate), linear(h, L.up)  # [T, I] each
+        lap("linear")
+        gu = F.silu(g) * u
+        lap("other")
+        x = x + linear(gu, L.down)  # [T, I] -> [T, D]
+        lap("linear")
     last = rms_norm(x.index_select(0, layout.logits_at), w.norm, shape.eps)  # [R, D]
-    return linear(last, w.lm_head).float()  # [R, V]
+    lap("norms+rotary")
+    logits = linear(last, w.lm_head).float()  # [R, V]
+    lap("linear")
+    return logits

@@ -49,6 +49,7 @@ class LoadedModel:
     device: str
     dtype: Any
     load_seconds: float
+    dtype_note: str = ""  # how the dtype was chosen (``--dtype auto`` on CPU: both measured step times)
     _prompter: ChatPrompter | None = field(default=None, repr=False)
 
     @property
@@ -156,7 +157,7 @@ def load_model(
         name = path.name
     dev = pick_device(device)
     if dtype == "auto":
-        # bf16 on CUDA; fp32 on CPU, where bf16 matmuls are slower on most CPUs without AMX.
+        # bf16 on CUDA; on CPU fp32 first, then measured against bf16 (settle_dtype).
         torch_dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
     else:
         torch_dtype = getattr(torch, dtype)
@@ -180,9 +181,43 @@ def load_model(
         eos_ids=frozenset(eos),
         device=dev,
         dtype=torch_dtype,
-        load_seconds=time.perf_counter() - t0,
+        load_seconds=0.0,
     )
+    settle_dtype(loaded, dtype)
+    loaded.load_seconds = time.perf_counter() - t0
     log.info(
-        "model.loaded", name=name, device=dev, dtype=str(torch_dtype), seconds=round(loaded.load_seconds, 2)
+        "model.loaded", name=name, device=dev, dtype=str(loaded.dtype), seconds=round(loaded.load_seconds, 2)
     )
     return loaded
+
+
+def settle_dtype(loaded: LoadedModel, requested: str) -> None:
+    """Apply ``--dtype``: a named dtype as given; ``auto`` keeps bf16 on CUDA and, on CPU, measures fp32
+    against bf16 (dtype.py) and keeps the faster, logging both figures."""
+    import torch
+
+    if requested != "auto":
+        want = getattr(torch, requested)
+        if loaded.dtype != want:
+            loaded.model.to(want)
+            loaded.dtype = want
+        loaded.dtype_note = f"{requested} as asked"
+        return
+    if loaded.device.startswith("cuda"):
+        loaded.model.to(torch.bfloat16)
+        loaded.dtype = torch.bfloat16
+        loaded.dtype_note = "bfloat16 (auto on CUDA)"
+        return
+    from server.engine.dtype import pick_cpu_dtype
+
+    model, chosen, figures = pick_cpu_dtype(loaded.model)
+    loaded.model, loaded.dtype = model, chosen
+    name = str(chosen).removeprefix("torch.")
+    if figures:
+        loaded.dtype_note = (
+            f"{name} (auto: a 32-row decode step took {figures['float32_ms']} ms in float32, "
+            f"{figures['bfloat16_ms']} ms in bfloat16)"
+        )
+        log.info("model.dtype_measured", chosen=name, **figures)
+    else:
+        loaded.dtype_note = f"{name} (auto: model too small or not on the Llama path to measure)"

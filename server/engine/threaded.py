@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -110,6 +111,10 @@ class ThreadedEngine(ABC):
         """A submitted request left the inbox (before ``_intake``)."""
         return  # nothing by default
 
+    def _handed_off(self, seconds: float) -> None:
+        """How long the last ``on_step`` call took (the step profile's hand-off)."""
+        return  # nothing by default
+
     def _after_step(self) -> None:
         """Called once per loop turn, after the step (bookkeeping other threads read)."""
         return  # nothing by default
@@ -132,10 +137,12 @@ class ThreadedEngine(ABC):
                     outs.extend(self._fail_running(exc))
             self._after_step()
             if outs:
+                t0 = time.perf_counter()
                 try:
                     self._on_step(outs)
                 except Exception:  # the receiver's problem (e.g. its loop is closing): keep going
                     log.exception("engine.on_step_failed")
+                self._handed_off(time.perf_counter() - t0)
 
     def _drain_inbox(self, outs: list[StepOutput], *, block: bool) -> bool:
         """Take every waiting message (waiting for one if ``block``); True when told to stop."""

@@ -104,7 +104,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from server.bench.main import PATHS, main
+    from server.bench.main import main
+    from server.bench.paths import PATHS
 
     paths = args.paths.split(",") if args.paths else PATHS
     results = main(

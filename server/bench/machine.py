@@ -16,7 +16,8 @@ def cpu_info() -> dict[str, Any]:
 
     import torch
 
-    model, flags = platform.processor() or platform.machine(), set()
+    model = platform.processor() or platform.machine()
+    flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

@@ -49,8 +49,8 @@ def matmul_floor(weights: llama.Weights, rows: int, *, reps: int = 5) -> float:
     dev = weights.embed.device
     dtype = weights.embed.dtype
     first = weights.layers[0]
-    d = first.q.w.shape[1]
-    inner = first.gate.w.shape[0]
+    d = first.qkv.w.shape[1]
+    inner = first.gate_up.w.shape[0] // 2
     attn = first.o.w.shape[1]
     x = torch.randn(rows, d, dtype=dtype, device=dev)
     a = torch.randn(rows, attn, dtype=dtype, device=dev)
@@ -59,12 +59,9 @@ def matmul_floor(weights: llama.Weights, rows: int, *, reps: int = 5) -> float:
     def one() -> float:
         t0 = time.perf_counter()
         for L in weights.layers:
-            llama.linear(x, L.q)
-            llama.linear(x, L.k)
-            llama.linear(x, L.v)
+            llama.linear(x, L.qkv)
             llama.linear(a, L.o)
-            llama.linear(x, L.gate)
-            llama.linear(x, L.up)
+            llama.linear(x, L.gate_up)
             llama.linear(m, L.down)
         llama.linear(x, weights.lm_head)
         if dev.type == "cuda":
@@ -76,7 +73,7 @@ def matmul_floor(weights: llama.Weights, rows: int, *, reps: int = 5) -> float:
         return statistics.median(one() for _ in range(reps))
 
 
-def floors(weights: llama.Weights, rows: Iterable[int], *, reps: int = 5) -> dict[int, float]:
+def floors(weights: llama.Weights, rows: Iterable[int], *, reps: int = 3) -> dict[int, float]:
     return {r: matmul_floor(weights, r, reps=reps) for r in sorted(set(rows))}
 
 

@@ -72,7 +72,7 @@ def pick_cpu_dtype(model: Any) -> tuple[Any, torch.dtype, dict[str, float]]:
     fp32_s = decode_step_seconds(model)
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     bf16_s = decode_step_seconds(bf16)
-    figures = {"float32_ms": round(fp32_s * 1000, 1), "bfloat16_ms": round(bf16_s * 1000, 1)}
+    figures = {"float32_ms": fp32_s * 1000, "bfloat16_ms": bf16_s * 1000}
     if bf16_s < fp32_s:
         return bf16, torch.bfloat16, figures
     del bf16

@@ -50,6 +50,7 @@ class LoadedModel:
     dtype: Any
     load_seconds: float
     dtype_note: str = ""  # how the dtype was chosen (``--dtype auto`` on CPU: both measured step times)
+    dtype_figures: dict[str, float] = field(default_factory=dict)  # those step times, ms
     _prompter: ChatPrompter | None = field(default=None, repr=False)
 
     @property
@@ -211,13 +212,13 @@ def settle_dtype(loaded: LoadedModel, requested: str) -> None:
     from server.engine.dtype import pick_cpu_dtype
 
     model, chosen, figures = pick_cpu_dtype(loaded.model)
-    loaded.model, loaded.dtype = model, chosen
+    loaded.model, loaded.dtype, loaded.dtype_figures = model, chosen, figures
     name = str(chosen).removeprefix("torch.")
     if figures:
         loaded.dtype_note = (
-            f"{name} (auto: a 32-row decode step took {figures['float32_ms']} ms in float32, "
-            f"{figures['bfloat16_ms']} ms in bfloat16)"
+            f"{name} (auto: a 32-row decode step took {figures['float32_ms']:.1f} ms in float32, "
+            f"{figures['bfloat16_ms']:.1f} ms in bfloat16)"
         )
-        log.info("model.dtype_measured", chosen=name, **figures)
+        log.info("model.dtype_measured", chosen=name, **{k: round(v, 1) for k, v in figures.items()})
     else:
         loaded.dtype_note = f"{name} (auto: model too small or not on the Llama path to measure)"

@@ -154,7 +154,7 @@ def _floor(
     )
     echo(
         f"engine decode step over the floor at the same rows: median {summary['step_over_floor']}x over "
-        f"{summary['decode_steps']} decode steps (at {top} rows: median step "
+        f"{summary['steps_compared']} of {summary['decode_steps']} decode steps (at {top} rows: median step "
         f"{statistics.median(at_top) * 1000:.1f} ms, floor {floor[top] * 1000:.1f} ms)"
     )
     parts = fl.breakdown(decode, top)

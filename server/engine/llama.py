@@ -239,6 +239,8 @@ class Cache:
             self.bases.append(rows)
             rows += n_slots * shape.n_kv_heads * length
         self.data = torch.zeros(shape.n_layers, 2, rows, shape.head_dim, dtype=dtype, device=device)
+        # Every layer's K/V views per pool, made once: the forward asks for them 30 times a step.
+        self.views = [[self._layer_pool(i, p) for p in range(len(pools))] for i in range(shape.n_layers)]
 
     def pool_view(self, pool: int) -> Tensor:
         """[n_layers, 2, S, KV, L, Hd] view of one pool."""
@@ -250,6 +252,9 @@ class Cache:
 
     def layer_pool(self, layer: int, pool: int) -> tuple[Tensor, Tensor]:
         """K and V of one layer and pool: [S, KV, L, Hd] each."""
+        return self.views[layer][pool]
+
+    def _layer_pool(self, layer: int, pool: int) -> tuple[Tensor, Tensor]:
         n_slots, length = self.pools[pool]
         base = self.bases[pool]
         kv = self.shape.n_kv_heads
@@ -379,9 +384,8 @@ def forward(w: Weights, shape: Shape, cache: Cache, layout: StepLayout, lap: Lap
         lap("norms+rotary")
         cache.data[i, 0].index_copy_(0, layout.write_rows, k.reshape(T * kv, hd))
         cache.data[i, 1].index_copy_(0, layout.write_rows, v.reshape(T * kv, hd))
-        views = [cache.layer_pool(i, p) for p in range(len(cache.pools))]
         lap("other")
-        a = attention(q, views, layout, shape)
+        a = attention(q, cache.views[i], layout, shape)
         lap("attention")
         x = x + linear(a, L.o)  # [T, D]
         lap("linear")

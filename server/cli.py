@@ -108,10 +108,11 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from server.engine.bench import PATHS, main
+    from server.bench.main import main
+    from server.bench.paths import PATHS
 
     paths = args.paths.split(",") if args.paths else PATHS
-    main(
+    results = main(
         json_path=args.json,
         turns=args.turns,
         device=args.device,
@@ -121,8 +122,9 @@ def _bench(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         paths=paths,
+        profile=args.profile,
     )
-    return 0
+    return 1 if results["failed"] else 0
 
 
 def _load(args: argparse.Namespace) -> int:
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     def model(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
         p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-        p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
+        p.add_argument("--dtype", default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ...")
         p.add_argument("--threads", type=int, help="torch CPU threads for the engine (default: torch's)")
         p.add_argument(
             "--drain-timeout",
@@ -284,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--requests", type=int, default=32)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
-    b.add_argument("--dtype", default="auto")
-    b.add_argument("--paths", help="comma-separated subset of ceiling,static,hf_cb,engine,engine_poisson")
+    b.add_argument("--dtype", default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ...")
+    b.add_argument("--paths", help="comma-separated subset of padded_loop,static,hf_cb,engine,engine_poisson")
+    b.add_argument("--profile", action="store_true", help="break a decode step down by phase")
     b.set_defaults(func=_bench)
 
     from server.load.options import add_arguments as add_load_arguments

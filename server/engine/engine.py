@@ -3,6 +3,7 @@ pass per step, and hands each step's outputs (every sequence's new tokens togeth
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ import torch
 from server.engine import llama
 from server.engine.api import Engine, EngineOverloaded, GenerationRequest, StepOutput
 from server.engine.model import LoadedModel
-from server.engine.prompt import PromptTooLarge, prompt_ids_for
+from server.engine.profile import StepProfile
+from server.engine.prompt import PromptTooLarge, checked_ids
 from server.engine.runner import Runner, kv_bytes_per_token
 from server.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from server.engine.threaded import ThreadedEngine, error_output
@@ -98,12 +100,15 @@ def default_config(
 class BatchingEngine(ThreadedEngine):
     """Engine protocol (api.py) over a Scheduler and a Runner, on its own thread (threaded.py)."""
 
+    takes_ids = True
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, **overrides: Any) -> None:
         super().__init__()
         self.m = loaded
         self.config = config or default_config(loaded, **overrides)
         self.max_context = self.config.max_context
         self.max_prompt_tokens = self.config.max_context - 1
+        self.prompter = loaded.prompter  # built here, once, not lazily on a pool thread
         self.runner = Runner(loaded.model, self.config.pools, device=loaded.device, dtype=loaded.dtype)
         self.sched = self._new_scheduler()
         self._lock = threading.Lock()
@@ -112,6 +117,7 @@ class BatchingEngine(ThreadedEngine):
         self.steps = 0
         self.step_seconds = 0.0  # time inside steps (forward + sampling + bookkeeping)
         self._kv_usage = 0.0  # read by the worker's gauge from another thread: a float, set per step
+        self.profile: StepProfile | None = None  # set by the bench: per-step phase times
 
     def _new_scheduler(self) -> Scheduler:
         c = self.config
@@ -127,13 +133,21 @@ class BatchingEngine(ThreadedEngine):
 
     # ---- Engine protocol (any thread) ---------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> None:
+    def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        """Template, tokenise and fit the request's messages (any thread but the engine's); the messages
+        are dropped from the prepared request. Raises PromptTooLarge."""
+        if request.prompt_ids is not None:
+            return request
+        ids = self.prompter.fit(request.messages, self.max_prompt_tokens)
+        return dataclasses.replace(request, messages=[], prompt_ids=ids)
+
+    def _enqueue(self, request: GenerationRequest) -> None:
         """Queue a request; raises EngineOverloaded (nothing queued) when the waiting queue is full."""
         with self._lock:
             if self._inbox_submits + self._sched_waiting >= self.config.max_waiting:
                 raise EngineOverloaded(self.retry_after_ms())
             self._inbox_submits += 1
-        super().submit(request)
+        super()._enqueue(request)
 
     def retry_after_ms(self) -> int:
         """Estimated wait until the waiting queue has room again."""
@@ -161,6 +175,9 @@ class BatchingEngine(ThreadedEngine):
         self._kv_usage = self.sched.table.usage()
 
     def _step(self) -> list[StepOutput]:
+        prof = self.profile
+        if prof is not None:
+            return self._profiled_step(prof)
         t0 = time.perf_counter()
         batch = self.sched.schedule()
         tokens = self.runner.step(batch)
@@ -169,6 +186,24 @@ class BatchingEngine(ThreadedEngine):
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
         return outs
+
+    def _profiled_step(self, prof: StepProfile) -> list[StepOutput]:
+        prof.begin()
+        batch = self.sched.schedule()
+        prof.lap("schedule")
+        tokens = self.runner.step(batch, prof.lap)
+        outs = self.sched.postprocess(batch, tokens)
+        prof.lap("postprocess")
+        rows = sum(1 for w in batch.work if w.n == 1)
+        prof.end(rows, sum(w.n for w in batch.work) - rows)
+        self.tokens_generated += len(tokens)
+        self.steps += 1
+        self.step_seconds += prof.steps[-1].seconds
+        return outs
+
+    def _handed_off(self, seconds: float) -> None:
+        if self.profile is not None:
+            self.profile.add_to_last("hand-off", seconds)
 
     def _fail_running(self, exc: Exception) -> list[StepOutput]:
         outs = [
@@ -179,9 +214,11 @@ class BatchingEngine(ThreadedEngine):
 
     def _intake(self, req: GenerationRequest, outs: list[StepOutput]) -> None:
         start = len(req.resume_ids)
+        if req.prompt_ids is None:  # submit() prepares every request; nothing is tokenised on this thread
+            outs.append(error_output(req.key, start, "internal", "request reached the engine without ids"))
+            return
         try:
-            budget, vocab = self.max_prompt_tokens, self.runner.shape.vocab
-            ids = prompt_ids_for(req.prompt_ids, req.messages, self.m.encode_chat, budget, vocab)
+            ids = checked_ids(req.prompt_ids, self.max_prompt_tokens, self.runner.shape.vocab)
         except PromptTooLarge as exc:
             outs.append(error_output(req.key, start, "too_large", str(exc)))
             return

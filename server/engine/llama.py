@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from server.engine.profile import Lap, no_lap
+
 Tensor = torch.Tensor
 
 # Model types whose HF modules have exactly the Llama layout (q/k/v/o, gate/up/down, two RMSNorms,
@@ -51,14 +53,13 @@ class Linear:
 
 @dataclass(frozen=True, slots=True)
 class Layer:
+    # q/k/v and gate/up are each one GEMM on concatenated weights: fewer, larger calls (a decode step is
+    # made of small ones), and q and k come out adjacent, so one rotary call covers both.
     attn_norm: Tensor  # [D]
-    q: Linear  # [H*Hd, D]
-    k: Linear  # [KV*Hd, D]
-    v: Linear  # [KV*Hd, D]
+    qkv: Linear  # [(H+2*KV)*Hd, D]: q, then k, then v
     o: Linear  # [D, H*Hd]
     mlp_norm: Tensor  # [D]
-    gate: Linear  # [I, D]
-    up: Linear  # [I, D]
+    gate_up: Linear  # [2*I, D]: gate, then up
     down: Linear  # [D, I]
 
 
@@ -131,6 +132,21 @@ def _linear(module: Any, pack: bool) -> Linear:
     return Linear(w, None if b is None else b.detach(), _pack(w) if pack else None)
 
 
+def _fused(modules: list[Any], pack: bool) -> Linear:
+    """One linear layer out of several that read the same input (their outputs side by side). The
+    concatenated weight is a copy; the model's own tensors stay as they are."""
+    w = torch.cat([m.weight.detach() for m in modules])
+    biases = [getattr(m, "bias", None) for m in modules]
+    b = None
+    if any(x is not None for x in biases):
+        parts = [
+            x.detach() if x is not None else w.new_zeros(m.weight.shape[0])
+            for x, m in zip(biases, modules, strict=True)
+        ]
+        b = torch.cat(parts)
+    return Linear(w, b, _pack(w) if pack else None)
+
+
 def weights_of(model: Any, max_positions: int, *, pack: bool = True) -> Weights:
     """The model's weights as plain tensors (packed copies for oneDNN with ``pack`` on CPU), plus rotary
     tables for positions [0, max_positions)."""
@@ -141,13 +157,10 @@ def weights_of(model: Any, max_positions: int, *, pack: bool = True) -> Weights:
         layers.append(
             Layer(
                 attn_norm=layer.input_layernorm.weight.detach(),
-                q=_linear(a.q_proj, pack),
-                k=_linear(a.k_proj, pack),
-                v=_linear(a.v_proj, pack),
+                qkv=_fused([a.q_proj, a.k_proj, a.v_proj], pack),
                 o=_linear(a.o_proj, pack),
                 mlp_norm=layer.post_attention_layernorm.weight.detach(),
-                gate=_linear(m.gate_proj, pack),
-                up=_linear(m.up_proj, pack),
+                gate_up=_fused([m.gate_proj, m.up_proj], pack),
                 down=_linear(m.down_proj, pack),
             )
         )
@@ -226,6 +239,8 @@ class Cache:
             self.bases.append(rows)
             rows += n_slots * shape.n_kv_heads * length
         self.data = torch.zeros(shape.n_layers, 2, rows, shape.head_dim, dtype=dtype, device=device)
+        # Every layer's K/V views per pool, made once: the forward asks for them 30 times a step.
+        self.views = [[self._layer_pool(i, p) for p in range(len(pools))] for i in range(shape.n_layers)]
 
     def pool_view(self, pool: int) -> Tensor:
         """[n_layers, 2, S, KV, L, Hd] view of one pool."""
@@ -237,6 +252,9 @@ class Cache:
 
     def layer_pool(self, layer: int, pool: int) -> tuple[Tensor, Tensor]:
         """K and V of one layer and pool: [S, KV, L, Hd] each."""
+        return self.views[layer][pool]
+
+    def _layer_pool(self, layer: int, pool: int) -> tuple[Tensor, Tensor]:
         n_slots, length = self.pools[pool]
         base = self.bases[pool]
         kv = self.shape.n_kv_heads
@@ -346,25 +364,41 @@ def attention(q: Tensor, k_cache: list[tuple[Tensor, Tensor]], layout: StepLayou
     return out.view(T, shape.n_heads * hd)
 
 
-def forward(w: Weights, shape: Shape, cache: Cache, layout: StepLayout) -> Tensor:
+def forward(w: Weights, shape: Shape, cache: Cache, layout: StepLayout, lap: Lap = no_lap) -> Tensor:
     """Run one step's tokens through the model, writing their K/V into the cache; returns float32
-    logits [R, V] at ``layout.logits_at``."""
+    logits [R, V] at ``layout.logits_at``. ``lap`` marks phase boundaries for the step profile."""
     T = layout.ids.shape[0]
-    kv, hd = shape.n_kv_heads, shape.head_dim
+    H, kv, hd = shape.n_heads, shape.n_kv_heads, shape.head_dim
+    inter = w.layers[0].gate_up.w.shape[0] // 2 if w.layers else 0  # I
     cos = w.cos[layout.positions].to(w.embed.dtype)[:, None, :]  # [T, 1, Hd]
     sin = w.sin[layout.positions].to(w.embed.dtype)[:, None, :]
     x = F.embedding(layout.ids, w.embed)  # [T, D]
+    lap("other")
     for i, L in enumerate(w.layers):
         h = rms_norm(x, L.attn_norm, shape.eps)
-        q = linear(h, L.q).contiguous().view(T, shape.n_heads, hd)  # [T, H, Hd]
-        k = linear(h, L.k).contiguous().view(T, kv, hd)  # [T, KV, Hd]
-        v = linear(h, L.v).contiguous().view(T, kv, hd)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        lap("norms+rotary")
+        qkv = linear(h, L.qkv).reshape(T, H + 2 * kv, hd)  # [T, H+2KV, Hd]
+        lap("linear")
+        qk = rotate(qkv[:, : H + kv], cos, sin)  # [T, H+KV, Hd]: q and k in one call
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + kv :]
+        lap("norms+rotary")
         cache.data[i, 0].index_copy_(0, layout.write_rows, k.reshape(T * kv, hd))
         cache.data[i, 1].index_copy_(0, layout.write_rows, v.reshape(T * kv, hd))
-        views = [cache.layer_pool(i, p) for p in range(len(cache.pools))]
-        x = x + linear(attention(q, views, layout, shape), L.o)  # [T, D]
+        lap("other")
+        a = attention(q, cache.views[i], layout, shape)
+        lap("attention")
+        x = x + linear(a, L.o)  # [T, D]
+        lap("linear")
         h = rms_norm(x, L.mlp_norm, shape.eps)
-        x = x + linear(F.silu(linear(h, L.gate)) * linear(h, L.up), L.down)  # [T, I] -> [T, D]
+        lap("norms+rotary")
+        gu = linear(h, L.gate_up)  # [T, 2I]
+        lap("linear")
+        gu = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
+        lap("other")
+        x = x + linear(gu, L.down)  # [T, I] -> [T, D]
+        lap("linear")
     last = rms_norm(x.index_select(0, layout.logits_at), w.norm, shape.eps)  # [R, D]
-    return linear(last, w.lm_head).float()  # [R, V]
+    lap("norms+rotary")
+    logits = linear(last, w.lm_head).float()  # [R, V]
+    lap("linear")
+    return logits

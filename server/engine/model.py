@@ -13,11 +13,13 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
+
+from server.engine.prompt import ChatPrompter
 
 log = structlog.get_logger(__name__)
 
@@ -47,16 +49,21 @@ class LoadedModel:
     device: str
     dtype: Any
     load_seconds: float
+    dtype_note: str = ""  # how the dtype was chosen (``--dtype auto`` on CPU: both measured step times)
+    dtype_figures: dict[str, float] = field(default_factory=dict)  # those step times, ms
+    _prompter: ChatPrompter | None = field(default=None, repr=False)
+
+    @property
+    def prompter(self) -> ChatPrompter:
+        """The chat template and tokenizer as prompt.py uses them (content tokenised as plain text)."""
+        if self._prompter is None:
+            self._prompter = ChatPrompter.for_tokenizer(self.tokenizer)
+        return self._prompter
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` through the model's chat template, ready for the assistant's turn."""
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return [int(t) for t in self.tokenizer.encode(text)]
+        """Token ids of ``messages`` through the model's chat template, ready for the assistant's turn;
+        special-token strings inside a message's content are tokenised as ordinary text."""
+        return self.prompter.encode(messages)
 
     def decode(self, ids: Any) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
@@ -151,7 +158,7 @@ def load_model(
         name = path.name
     dev = pick_device(device)
     if dtype == "auto":
-        # bf16 on CUDA; fp32 on CPU, where bf16 matmuls are slower on most CPUs without AMX.
+        # bf16 on CUDA; on CPU fp32 first, then measured against bf16 (settle_dtype).
         torch_dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
     else:
         torch_dtype = getattr(torch, dtype)
@@ -175,9 +182,43 @@ def load_model(
         eos_ids=frozenset(eos),
         device=dev,
         dtype=torch_dtype,
-        load_seconds=time.perf_counter() - t0,
+        load_seconds=0.0,
     )
+    settle_dtype(loaded, dtype)
+    loaded.load_seconds = time.perf_counter() - t0
     log.info(
-        "model.loaded", name=name, device=dev, dtype=str(torch_dtype), seconds=round(loaded.load_seconds, 2)
+        "model.loaded", name=name, device=dev, dtype=str(loaded.dtype), seconds=round(loaded.load_seconds, 2)
     )
     return loaded
+
+
+def settle_dtype(loaded: LoadedModel, requested: str) -> None:
+    """Apply ``--dtype``: a named dtype as given; ``auto`` keeps bf16 on CUDA and, on CPU, measures fp32
+    against bf16 (dtype.py) and keeps the faster, logging both figures."""
+    import torch
+
+    if requested != "auto":
+        want = getattr(torch, requested)
+        if loaded.dtype != want:
+            loaded.model.to(want)
+            loaded.dtype = want
+        loaded.dtype_note = f"{requested} as asked"
+        return
+    if loaded.device.startswith("cuda"):
+        loaded.model.to(torch.bfloat16)
+        loaded.dtype = torch.bfloat16
+        loaded.dtype_note = "bfloat16 (auto on CUDA)"
+        return
+    from server.engine.dtype import pick_cpu_dtype
+
+    model, chosen, figures = pick_cpu_dtype(loaded.model)
+    loaded.model, loaded.dtype, loaded.dtype_figures = model, chosen, figures
+    name = str(chosen).removeprefix("torch.")
+    if figures:
+        loaded.dtype_note = (
+            f"{name} (auto: a 32-row decode step took {figures['float32_ms']:.1f} ms in float32, "
+            f"{figures['bfloat16_ms']:.1f} ms in bfloat16)"
+        )
+        log.info("model.dtype_measured", chosen=name, **{k: round(v, 1) for k, v in figures.items()})
+    else:
+        loaded.dtype_note = f"{name} (auto: model too small or not on the Llama path to measure)"

@@ -12,6 +12,7 @@ import torch
 
 from server.engine import llama
 from server.engine.kv_cache import Move, Op, Swap
+from server.engine.profile import Lap, no_lap
 from server.engine.sampling import sample
 from server.engine.scheduler import Batch, Work
 
@@ -56,23 +57,27 @@ class Runner:
                 self.cache.swap(op.a, op.b, op.length)
 
     @torch.inference_mode()
-    def logits(self, batch: Batch) -> torch.Tensor:
+    def logits(self, batch: Batch, lap: Lap = no_lap) -> torch.Tensor:
         """Apply ``batch.ops``, run its work; float32 logits [R, V] for ``batch.sampled`` in order."""
         self.apply(batch.ops)
+        lap("kv moves")
         if not batch.work:
             return torch.empty(0, self.shape.vocab)
         layout = self.layout(batch.work)
-        return llama.forward(self.weights, self.shape, self.cache, layout)
+        lap("layout")
+        return llama.forward(self.weights, self.shape, self.cache, layout, lap)
 
-    def step(self, batch: Batch) -> list[int]:
+    def step(self, batch: Batch, lap: Lap = no_lap) -> list[int]:
         """One step: the sampled token of every ``batch.sampled`` sequence, in order."""
-        logits = self.logits(batch)
+        logits = self.logits(batch, lap)
         sampled = batch.sampled
         if not sampled:
             return []
         params = [w.seq.params for w in sampled]
         offsets = [w.seq.completion_len for w in sampled]  # completion index of the token being drawn
-        return sample(logits.cpu(), params, offsets)
+        tokens = sample(logits.cpu(), params, offsets)
+        lap("sampling")
+        return tokens
 
     def layout(self, work: Sequence[Work]) -> llama.StepLayout:
         """Token order: decode rows pool by pool in slot order, then prefill chunks."""

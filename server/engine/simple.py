@@ -5,6 +5,7 @@ runs on its own thread (threaded.py) so the event loop never waits on torch."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from server.engine.api import GenerationRequest, StepOutput
 from server.engine.detok import Detokenizer
 from server.engine.model import LoadedModel
-from server.engine.prompt import PromptTooLarge, prompt_ids_for
+from server.engine.prompt import PromptTooLarge, checked_ids
 from server.engine.sampling import sample
 from server.engine.threaded import ThreadedEngine, error_output
 
@@ -34,6 +35,8 @@ class _Seq:
 
 
 class SimpleEngine(ThreadedEngine):
+    takes_ids = True
+
     def __init__(self, loaded: LoadedModel, *, max_prompt_tokens: int | None = None) -> None:
         super().__init__()
         self.m = loaded
@@ -41,6 +44,14 @@ class SimpleEngine(ThreadedEngine):
         self.max_context = ctx
         self.max_prompt_tokens = min(max_prompt_tokens or ctx, ctx - 1)
         self._seqs: dict[str, _Seq] = {}
+        self.prompter = loaded.prompter
+
+    def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        """Template, tokenise and fit the messages (off the engine thread). Raises PromptTooLarge."""
+        if request.prompt_ids is not None:
+            return request
+        ids = self.prompter.fit(request.messages, self.max_prompt_tokens)
+        return dataclasses.replace(request, messages=[], prompt_ids=ids)
 
     # ---- engine thread (threaded.py) ----------------------------------------------------------------
 
@@ -57,8 +68,11 @@ class SimpleEngine(ThreadedEngine):
         return outs
 
     def _intake(self, req: GenerationRequest, outs: list[StepOutput]) -> None:
+        if req.prompt_ids is None:  # submit() prepares every request; nothing is tokenised on this thread
+            outs.append(error_output(req.key, len(req.resume_ids), "internal", "request without ids"))
+            return
         try:
-            ids = prompt_ids_for(req.prompt_ids, req.messages, self.m.encode_chat, self.max_prompt_tokens)
+            ids = checked_ids(req.prompt_ids, self.max_prompt_tokens)
         except PromptTooLarge as exc:
             outs.append(error_output(req.key, len(req.resume_ids), "too_large", str(exc)))
             return

@@ -5,6 +5,10 @@ engine thread drains the inbox between steps, runs one step, and hands every out
 ``on_step`` callback in one call. A request that cannot be read, or a step that raises, ends the affected
 requests with an ``error`` output; the thread itself keeps going.
 
+Nothing heavy on that thread but the step: an engine that takes token ids (``takes_ids``) gets them from
+``prepare`` (templating, tokenising, fitting to the context), which the worker runs on a pool of its own
+before ``submit``; a request submitted without them is prepared on the submitting thread, never here.
+
 Subclasses say what a step is (``_step``), how a request comes in (``_intake``) and goes away
 (``_drop``), and whether there is work left (``_has_work``).
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -46,7 +51,26 @@ class ThreadedEngine(ABC):
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
+    takes_ids = False  # True: requests reach the engine thread as prompt token ids (see ``prepare``)
+
+    def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        """The request as the engine thread takes it (any thread; CPU-bound: call it off the event loop).
+        Engines that take token ids fill ``prompt_ids`` here; raises PromptTooLarge."""
+        return request
+
     def submit(self, request: GenerationRequest) -> None:
+        if self.takes_ids and request.prompt_ids is None:
+            from server.engine.prompt import PromptTooLarge
+
+            try:
+                request = self.prepare(request)  # on the caller's thread: the engine thread never tokenises
+            except PromptTooLarge as exc:
+                out = error_output(request.key, len(request.resume_ids), "too_large", str(exc))
+                self._inbox.put(("out", out))
+                return
+        self._enqueue(request)
+
+    def _enqueue(self, request: GenerationRequest) -> None:
         self._inbox.put(("submit", request))
 
     def cancel(self, key: str) -> None:
@@ -87,6 +111,10 @@ class ThreadedEngine(ABC):
         """A submitted request left the inbox (before ``_intake``)."""
         return  # nothing by default
 
+    def _handed_off(self, seconds: float) -> None:
+        """How long the last ``on_step`` call took (the step profile's hand-off)."""
+        return  # nothing by default
+
     def _after_step(self) -> None:
         """Called once per loop turn, after the step (bookkeeping other threads read)."""
         return  # nothing by default
@@ -109,10 +137,12 @@ class ThreadedEngine(ABC):
                     outs.extend(self._fail_running(exc))
             self._after_step()
             if outs:
+                t0 = time.perf_counter()
                 try:
                     self._on_step(outs)
                 except Exception:  # the receiver's problem (e.g. its loop is closing): keep going
                     log.exception("engine.on_step_failed")
+                self._handed_off(time.perf_counter() - t0)
 
     def _drain_inbox(self, outs: list[StepOutput], *, block: bool) -> bool:
         """Take every waiting message (waiting for one if ``block``); True when told to stop."""
@@ -124,6 +154,9 @@ class ThreadedEngine(ABC):
                     return True
                 if kind == "cancel":
                     self._drop(arg)
+                    continue
+                if kind == "out":  # refused before it reached this thread (too_large)
+                    outs.append(arg)
                     continue
                 self._taken()
                 try:

@@ -26,6 +26,7 @@ LISTEN = re.compile(r"(ws://\S+/v1/ws)")
 E2E_ROUNDS = 2
 SOAK_REQUESTS = 10_000
 SOAK_RETENTION_S = 60  # short, so the soak waits a minute, not a day
+DTYPES = ("float32", "bfloat16")
 
 
 def _tw(*args: str) -> list[str]:
@@ -127,8 +128,20 @@ def main(argv: list[str] | None = None) -> int:
 
     engine_json = work / "engine.json"
     if not args.skip_engine:
-        _run(_tw("bench", "--json", str(engine_json), "--turns", "10"), 3600)
+        _run(_tw("bench", "--json", str(engine_json), "--turns", "10", "--profile"), 3600)
+        # The engine and the padded loop in each CPU dtype, for the targets that hold in both.
+        for dt in DTYPES:
+            _run(
+                _tw("bench", "--paths", "padded_loop,engine", "--dtype", dt, "--profile", "--json",
+                    str(work / f"engine-{dt}.json")),
+                3600,
+            )  # fmt: skip
     results["engine"] = json.loads(engine_json.read_text())
+    results["dtypes"] = {
+        dt: json.loads((work / f"engine-{dt}.json").read_text())
+        for dt in DTYPES
+        if (work / f"engine-{dt}.json").is_file()
+    }
     if args.skip_engine:
         mtime = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(engine_json.stat().st_mtime))
         results["engine_from"] = f"{engine_json} (an earlier `tokenwire bench` run, {mtime})"
@@ -152,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
             results["load32"].append(
                 _load(s.urls[0], work / f"load32-{i}.json", *workload, "--subprotocol", "both")
             )
+    with _Server(
+        ["serve", "--port", "0", "--data-dir", str(data), "--log-level", "warning"], "tokenwire ready"
+    ) as s:
+        # One client sends a ~940 KiB, 64-message chat over and over while the others stream.
+        results["hostile"] = _load(
+            s.urls[0], work / "hostile.json", "--scenario", "hostile-prompt", "--users", str(users // 4),
+            "--requests", str(n_req // 4), "--max-tokens", "32-96", "--prompt-words", "16-64",
+        )  # fmt: skip
     with _Server(
         ["serve", "--port", "0", "--data-dir", str(data), "--log-level", "warning"], "tokenwire ready"
     ) as s:
@@ -218,6 +239,84 @@ def _f(v: Any, digits: int = 1) -> str:
     return "—" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def _cpu(e: dict[str, Any]) -> str:
+    c = e.get("cpu") or {}
+    if not c:
+        return "CPU: unknown"
+    return (
+        f"CPU: {c.get('model')}, {c.get('cores')} cores, torch {c.get('torch')} "
+        f"({c.get('torch_capability')}); "
+        f"has {' '.join(c.get('flags') or []) or '-'}; lacks {', '.join(c.get('missing') or []) or 'none'}"
+    )
+
+
+def _dtype_rows(r: dict[str, Any]) -> list[str]:
+    """The engine against the padded loop and the matmul floor, in fp32 and in bf16."""
+    runs = r.get("dtypes") or {}
+    if not runs:
+        return []
+    lines = [
+        "",
+        "Per dtype (`tokenwire bench --paths padded_loop,engine --dtype D --profile`), against the targets",
+        "engine ≥ 2x padded_loop and median decode step ≤ 1.5x the matmul-only floor at the same rows",
+        "(the floor: the model's linear layers and LM head alone, measured in the same run):",
+        "",
+        "| dtype | padded_loop tok/s | engine tok/s | engine / padded_loop | floor at 32 rows ms "
+        "| median decode step ms | step / floor | target met |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for dt, x in runs.items():
+        pl, en = (x.get("padded_loop") or {}).get("tok_s"), (x.get("engine") or {}).get("tok_s")
+        ratio = en / pl if en and pl else None
+        over = (x.get("engine") or {}).get("step_over_floor")
+        met = ratio is not None and ratio >= 2 and over is not None and over <= 1.5
+        lines.append(
+            f"| {dt} | {_f(pl)} | {_f(en)} | {_f(ratio, 2)}x | {_f((x.get('floor') or {}).get('ms'))} | "
+            f"{_f((x.get('engine') or {}).get('median_step_ms'))} | {_f(over, 2)}x | "
+            f"{'yes' if met else 'no'} |"
+        )
+    prof = next(iter(runs.values())).get("profile") or {}
+    parts = prof.get("ms") or {}
+    if parts:
+        lines += [
+            "",
+            f"Where a decode step at {prof.get('rows')} rows goes (median ms per phase; "
+            "`tokenwire bench --profile`):",
+            "",
+            "| dtype | " + " | ".join(k for k in parts) + " |",
+            "| --- |" + " ---: |" * len(parts),
+        ]
+        for dt, x in runs.items():
+            ms = (x.get("profile") or {}).get("ms") or {}
+            lines.append(f"| {dt} | " + " | ".join(_f(ms.get(k), 1) for k in parts) + " |")
+    return lines
+
+
+def _hostile(r: dict[str, Any]) -> list[str]:
+    h = r.get("hostile")
+    if not h:
+        return []
+    a, w = h["alone"], h["with_hostile"]
+    return [
+        "",
+        "## A hostile prompt (`tokenwire load URL --scenario hostile-prompt`)",
+        "",
+        f"{h['config']['users']} users stream {h['config']['requests']} requests, alone and then while one",
+        f"more client sends a {h['hostile']['frame_bytes']:,}-byte chat of {h['hostile']['messages']}",
+        "messages over and over (outcomes: " + str(h["hostile"]["outcomes"]) + ").",
+        "",
+        "| run | requests ok / failed | tok/s | inter-token p50 ms | p99 ms | max ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| alone | {a['requests_ok']} / {a['requests_failed']} | {_f(a['tok_s'])} | {_f(a['itl_p50_ms'])} | "
+        f"{_f(a['itl_p99_ms'])} | {_f(a['itl_max_ms'])} |",
+        f"| with the hostile client | {w['requests_ok']} / {w['requests_failed']} | {_f(w['tok_s'])} | "
+        f"{_f(w['itl_p50_ms'])} | {_f(w['itl_p99_ms'])} | {_f(w['itl_max_ms'])} |",
+        "",
+        f"Max gap with the hostile client / p99 alone: **{_f(h['max_with_over_p99_alone'], 2)}x** "
+        f"(target ≤ {h['target']}x: {'met' if h['met'] else 'missed'}).",
+    ]
+
+
 def render(r: dict[str, Any], *, quick: bool = False) -> str:
     e = r["engine"]
     eng = (e.get("engine") or {}).get("tok_s")
@@ -236,18 +335,25 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
             if r.get("engine_from")
             else []
         ),
-        "32 chat requests, output lengths drawn from 16-128, EOS ignored (every path does the same work).",
+        f"{_cpu(e)}; dtype {e.get('dtype_note') or e.get('dtype')}.",
+        "",
+        "32 chat requests, output lengths drawn from 16-128, EOS ignored (every path does the same work),",
+        "every path warmed up alike; `padded_loop`: one plain transformers decode loop over all 32, padded.",
         "",
         "| path | useful tok/s | vs engine | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name in ("ceiling", "static", "hf_cb", "engine", "engine_poisson"):
+    for name in ("padded_loop", "static", "hf_cb", "engine", "engine_poisson"):
         x = e.get(name) or {}
         ratio = f"{eng / x['tok_s']:.2f}x" if eng and x.get("tok_s") else "—"
         lines.append(
             f"| {name} | {_f(x.get('tok_s'))} | {ratio} | {_f(x.get('ttft_p50_ms'), 0)} | "
             f"{_f(x.get('ttft_p99_ms'), 0)} | {_f(x.get('itl_p50_ms'))} | {_f(x.get('itl_p99_ms'))} |"
         )
+    failed = e.get("failed") or []
+    if failed:
+        lines.append(f"\n**Failed paths: {', '.join(failed)}** (notes in engine.json): the bench failed.")
+    lines += _dtype_rows(r)
     late = e.get("late_join") or {}
     if late:
         lines.append(
@@ -319,6 +425,7 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         "",
         f"For scale, the engine table's `engine` row ({_f(eng)} tok/s) is a different workload: greedy,",
         "EOS ignored (every request runs to its full length), all 32 requests submitted at once.",
+        *_hostile(r),
         "",
         "## Wire bytes per streamed token",
         "",

@@ -97,10 +97,28 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"tokenwire load: {exc}", file=sys.stderr)
         return 2
     progress = not args.no_progress and sys.stderr.isatty()
+    if cfg.scenario == "hostile-prompt":
+        return _hostile(cfg)
     engine = _load_engine(args.model, args.threads) if args.engine_only else None
     tune_for_long_lived_objects()  # thousands of idle connections: GC pauses would show up as RTT
     report = asyncio.run(run(cfg, progress=progress, engine=engine))
     return exit_status(report)
+
+
+def _hostile(cfg: LoadConfig) -> int:
+    import json
+
+    from server.load.hostile import print_hostile, run_hostile
+
+    if not cfg.url:
+        print("tokenwire load: --scenario hostile-prompt needs a server URL", file=sys.stderr)
+        return 2
+    report = asyncio.run(run_hostile(cfg))
+    print_hostile(report)
+    if cfg.json_path is not None:
+        cfg.json_path.write_text(json.dumps(report, indent=2) + "\n")
+    failed = report["alone"]["requests_failed"] + report["with_hostile"]["requests_failed"]
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.api import EngineOverloaded, GenerationRequest, StepOutput
+from server.engine.prompt import PromptTooLarge
 from server.load.conversation import RequestRecord, conversation_rng, draw_request
 from server.load.runner import LoadResult, RunState, drive
 from server.worker.loop import params_from_payload
@@ -74,6 +75,14 @@ class EngineDriver:
         """Run one request to its finish; returns its text."""
         p = _Pending(rec, self.loop.create_future())
         self.pending[request.key] = p
+        prepare = getattr(self.engine, "prepare", None)
+        if callable(prepare):  # as the worker does: template and tokenise off the loop, off the engine
+            try:
+                request = await self.loop.run_in_executor(None, prepare, request)
+            except PromptTooLarge:
+                self.pending.pop(request.key, None)
+                rec.error_code, rec.finish_reason = "too_large", "error"
+                return ""
         while True:
             try:
                 self.engine.submit(request)

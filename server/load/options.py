@@ -68,6 +68,7 @@ class Dist:
 
 SUBPROTOCOL_MODES = ("msgpack", "json", "both")
 VERIFY_MODES = ("drops", "all", "none")
+SCENARIOS = ("normal", "hostile-prompt")
 
 
 @dataclass(slots=True)
@@ -97,6 +98,7 @@ class LoadConfig:
     sse_model: str = "SmolLM2-135M-Instruct"
     json_path: Path | None = None
     plot_path: Path | None = None
+    scenario: str = "normal"  # normal | hostile-prompt (hostile.py)
 
     def __post_init__(self) -> None:
         if self.requests is None and self.duration is None:
@@ -113,6 +115,8 @@ class LoadConfig:
             raise ValueError(f"--subprotocol must be one of {', '.join(SUBPROTOCOL_MODES)}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"--verify must be one of {', '.join(VERIFY_MODES)}")
+        if self.scenario not in SCENARIOS:
+            raise ValueError(f"--scenario must be one of {', '.join(SCENARIOS)}")
 
     def describe(self) -> dict[str, object]:
         """The configuration as plain JSON values (for the report)."""
@@ -191,6 +195,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="both: users and idle connections alternate msgpack and JSON",
     )
     w.add_argument("--token", help="JWT for servers with auth on")
+    w.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="normal",
+        help="hostile-prompt: the workload alone, then again while one client sends ~1 MiB 64-message chats",
+    )
     b = p.add_argument_group("bounds (default: --duration 30)")
     b.add_argument("--duration", type=float, help="issue no new request after this many seconds")
     b.add_argument("--requests", type=int, help="issue this many requests in all")
@@ -281,6 +291,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         request_timeout=args.request_timeout,
         connect_concurrency=args.connect_concurrency,
         token=args.token,
+        scenario=args.scenario,
         server_pid=args.server_pid,
         sse_model=args.sse_model,
         json_path=args.json_path,

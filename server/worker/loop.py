@@ -12,6 +12,7 @@ import contextlib
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from server.engine.api import (
     SamplingParams,
     StepOutput,
 )
+from server.engine.prompt import PromptTooLarge
 from server.store.requests import RequestStore, StepOp, WorkItem
 
 log = structlog.get_logger(__name__)
@@ -55,6 +57,9 @@ class _Timing:
     started: float  # monotonic, when this worker started the request
     log: Any  # a logger bound to the request's id, session, user and this worker
     last: float | None = None  # when its last delta was logged
+
+
+PROMPT_THREADS = 2
 
 
 class Worker:
@@ -84,6 +89,10 @@ class Worker:
         self._timing: dict[str, _Timing] = {}
         self._steps: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        # Templating, tokenising and fitting a conversation: CPU work that must stall neither the event
+        # loop nor the engine thread (the tokenizer releases the GIL), so a pool of its own.
+        self._prompt_pool = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="prompt")
+        self._preparing: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()
         self._idle = asyncio.Event()  # set while no request is running here
         self._idle.set()
@@ -119,6 +128,8 @@ class Worker:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
+        await cancel_and_wait(list(self._preparing))
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
     async def drain(self, deadline_s: float) -> int:
@@ -225,21 +236,41 @@ class Worker:
             resume_ids=resume,
             session=p.get("session") or "",
         )
+        task = asyncio.create_task(self._prepare_and_submit(request), name=f"prepare-{key}")
+        self._preparing.add(task)
+        task.add_done_callback(self._preparing.discard)
+        rlog.info("request.started", resumed_at=len(resume) or None, queue_wait_ms=item.queue_wait_ms)
+
+    async def _prepare_and_submit(self, request: GenerationRequest) -> None:
+        """Turn the request's messages into token ids on the prompt pool, then hand it to the engine."""
+        code, message = "", ""
         try:
+            prepare = getattr(self.engine, "prepare", None)
+            if callable(prepare):
+                loop = asyncio.get_running_loop()
+                request = await loop.run_in_executor(self._prompt_pool, prepare, request)
             self.engine.submit(request)
+        except PromptTooLarge as exc:
+            code, message = "too_large", str(exc)
         except EngineOverloaded as exc:
             # The engine's own waiting queue is full: end the request with a clear error, never drop it.
+            code, message = "overloaded", f"the engine is full; retry after {exc.retry_after_ms} ms"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a request that cannot be prepared fails alone
+            log.exception("worker.prepare_failed", key=request.key)
+            code, message = "internal", f"bad request: {exc}"
+        if code:
             out = StepOutput(
-                key,
-                len(resume),
+                request.key,
+                len(request.resume_ids),
                 0,
                 "",
                 finish="error",
-                error_code="overloaded",
-                error_message=f"the engine is full; retry after {exc.retry_after_ms} ms",
+                error_code=code,
+                error_message=message[:200],
             )
             self._steps.put_nowait([out])
-        rlog.info("request.started", resumed_at=len(resume) or None, queue_wait_ms=item.queue_wait_ms)
 
     async def _write(self, ops: list[StepOp]) -> list[bool]:
         """Write a step, retrying through a store outage: dropping it would leave a gap in the logs.

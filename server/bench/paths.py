@@ -1,34 +1,37 @@
-"""``tokenwire bench``: the engine against transformers' own ways of serving the same workload (no sockets).
+"""The bench's paths: the same workload through the engine and through transformers' own ways to serve it.
 
 Workload (DESIGN.md §6): ``--requests`` chat requests with varied prompts, each with its own output length
 drawn from 16-128, EOS ignored and greedy decoding, so every path does the same useful work. Useful
 tokens/s counts each request's own output length only (a padded row running past its length is waste).
 TTFT is measured from a request's arrival; inter-token latency (ITL) is the gap between a request's
 consecutive tokens as its client would see them.
+
+Every path gets the same warm-up first, untimed: ``warmup_requests`` (two of the requests, 4 tokens each)
+through its own machinery, so first-use costs (oneDNN primitives, caches, allocator) count for none.
+A path that fails, or produces fewer tokens than asked, raises: the bench reports it and fails.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import queue
 import random
-import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from server.engine.api import GenerationRequest, SamplingParams, StepOutput
 from server.engine.engine import BatchingEngine
-from server.engine.model import LoadedModel, load_model
+from server.engine.model import LoadedModel
+from server.engine.profile import StepProfile, StepRecord
 
-PATHS = ("ceiling", "static", "hf_cb", "engine", "engine_poisson")
+PATHS = ("padded_loop", "static", "hf_cb", "engine", "engine_poisson")
 OUT_MIN, OUT_MAX = 16, 128
+WARMUP_TOKENS = 4
 STATIC_BATCH = 8
 POISSON_LOAD = 0.7
 
@@ -135,6 +138,11 @@ def workload(loaded: LoadedModel, n: int, seed: int, *, random_ids: bool = False
     return reqs
 
 
+def warmup_requests(reqs: Sequence[BenchRequest]) -> list[BenchRequest]:
+    """The warm-up every path runs first: two of the requests, a few tokens each."""
+    return [BenchRequest(f"warm-{r.key}", r.prompt_ids, WARMUP_TOKENS) for r in reqs[:2]]
+
+
 def _pad_id(loaded: LoadedModel) -> int:
     pad = getattr(loaded.model.config, "pad_token_id", None)
     return int(pad) if isinstance(pad, int) else 0
@@ -150,11 +158,16 @@ def _left_pad(reqs: Sequence[BenchRequest], pad: int, device: str) -> tuple[torc
     return ids.to(device), mask.to(device)
 
 
-# ---- (a) the ceiling: one plain decode loop over all requests ------------------------------------
+# ---- (a) padded_loop: one plain decode loop over all requests, padded to the longest ---------------
+
+
+def run_padded_loop(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResult:
+    _padded_loop(loaded, warmup_requests(reqs))
+    return _padded_loop(loaded, reqs)
 
 
 @torch.inference_mode()
-def run_ceiling(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResult:
+def _padded_loop(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResult:
     from transformers import DynamicCache
 
     model, dev = loaded.model, loaded.device
@@ -209,8 +222,13 @@ class _StepTimes:
         pass
 
 
-@torch.inference_mode()
 def run_static(loaded: LoadedModel, reqs: Sequence[BenchRequest], batch: int = STATIC_BATCH) -> PathResult:
+    _static(loaded, warmup_requests(reqs), batch)
+    return _static(loaded, reqs, batch)
+
+
+@torch.inference_mode()
+def _static(loaded: LoadedModel, reqs: Sequence[BenchRequest], batch: int) -> PathResult:
     from transformers import GenerationConfig
 
     model, dev = loaded.model, loaded.device
@@ -248,9 +266,11 @@ def run_hf_cb(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResult:
     manager = model.init_continuous_batching(generation_config=cfg)
     manager.start()
     try:
-        # Warm-up request: the manager sizes and allocates its paged cache on the first one.
-        manager.add_request(reqs[0].prompt_ids[:8], request_id="warmup", max_new_tokens=2, eos_token_id=-1)
-        _collect(manager, {"warmup"})
+        # The same warm-up as every path (the manager also sizes its paged cache on the first request).
+        warm = warmup_requests(reqs)
+        for r in warm:
+            manager.add_request(r.prompt_ids, request_id=r.key, max_new_tokens=r.out_len, eos_token_id=-1)
+        _collect(manager, {r.key for r in warm})
         tm = Timings()
         t0 = time.perf_counter()
         for r in reqs:
@@ -268,8 +288,9 @@ def run_hf_cb(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResult:
         for key, o in done.items():
             tm.tokens[key] = list(o.timestamps or [])
             useful += len(o.generated_tokens)
-        note = "" if useful == sum(r.out_len for r in reqs) else "some requests produced fewer tokens"
-        return tm.result(useful, seconds, note)
+        if useful != sum(r.out_len for r in reqs):
+            raise RuntimeError(f"produced {useful} of {sum(r.out_len for r in reqs)} tokens")
+        return tm.result(useful, seconds)
     finally:
         manager.stop(block=True, timeout=10)
 
@@ -297,13 +318,16 @@ def run_engine(
     *,
     arrivals: Sequence[float] | None = None,
     engine_kw: dict[str, Any] | None = None,
+    step_log: list[StepRecord] | None = None,
 ) -> PathResult:
-    """All requests at once (``arrivals`` None), or each at its offset in seconds from the start."""
+    """All requests at once (``arrivals`` None), or each at its offset in seconds from the start.
+    ``step_log`` receives every timed step's phase profile."""
     engine = BatchingEngine(loaded, **(engine_kw or {}))
     steps: queue.Queue[tuple[float, list[StepOutput]]] = queue.Queue()
     engine.start(lambda outs: steps.put((time.perf_counter(), outs)))
     try:
-        _engine_warmup(engine, steps, reqs[0])
+        _engine_warmup(engine, steps, reqs)
+        engine.profile = StepProfile()  # a few microseconds a step: laps at phase boundaries
         tm = Timings()
         t0 = time.perf_counter()
         for i, r in enumerate(reqs):
@@ -325,6 +349,8 @@ def run_engine(
                     pending.discard(o.key)
                     end = t
         note = f"{engine.sched.preemptions} preemptions, {engine.steps} steps"
+        if step_log is not None:
+            step_log.extend(engine.profile.steps)
         return tm.result(useful, end - t0, note)
     finally:
         engine.stop()
@@ -336,13 +362,15 @@ def _engine_request(r: BenchRequest, *, session: str = "") -> GenerationRequest:
 
 
 def _engine_warmup(
-    engine: BatchingEngine, steps: queue.Queue[tuple[float, list[StepOutput]]], r: BenchRequest
+    engine: BatchingEngine, steps: queue.Queue[tuple[float, list[StepOutput]]], reqs: Sequence[BenchRequest]
 ) -> None:
-    engine.submit(_engine_request(BenchRequest("warmup", r.prompt_ids, 4)))
-    while True:
+    warm = warmup_requests(reqs)
+    for r in warm:
+        engine.submit(_engine_request(r))
+    pending = {r.key for r in warm}
+    while pending:
         _, outs = steps.get(timeout=600)
-        if any(o.finish for o in outs):
-            return
+        pending -= {o.key for o in outs if o.finish}
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -369,7 +397,7 @@ def run_late_join(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> dict[str
 
     try:
         late, others = reqs[-1], reqs[:-1]
-        _engine_warmup(engine, steps, late)
+        _engine_warmup(engine, steps, reqs)
         t0 = time.perf_counter()
         engine.submit(_engine_request(BenchRequest("alone", late.prompt_ids, 1)))
         alone = first_token("alone", t0)
@@ -436,165 +464,3 @@ def _session(loaded: LoadedModel, turns: int, *, reuse: bool, reply_tokens: int 
     finally:
         engine.stop()
     return ttfts
-
-
-# ---- models ----------------------------------------------------------------------------------------
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # Llama 3.2 1B's shape (vocabulary cut to SmolLM2's so prompts stay cheap to build).
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=49152,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-    ),
-}
-
-
-class _IdTokenizer:
-    """Stands in for a tokenizer with random weights: id N decodes to " tN" and back; other text
-    encodes byte by byte (so the chat path and multi-turn prefix reuse work without a download)."""
-
-    chat_template = None
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f" t{int(i)}" for i in ids)
-
-    def encode(self, text: str) -> list[int]:
-        return [
-            int(m[1]) if m[1] else 3 + ord(m[2]) % (self.vocab - 3)
-            for m in re.finditer(r" t(\d+)|(.)", text, re.S)
-        ]
-
-
-def random_model(spec: str, device: str, dtype: str) -> LoadedModel:
-    """A randomly initialised Llama from a preset name (``1b``, ``135m``) or a config.json path."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    fields = PRESETS.get(spec.lower())
-    if fields is None:
-        fields = json.loads(Path(spec).read_text())
-    config = LlamaConfig(**fields)
-    config.pad_token_id = 0
-    config.eos_token_id = 2
-    auto = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    torch_dtype = auto if dtype == "auto" else getattr(torch, dtype)
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model: Any = LlamaForCausalLM(config)
-        model = model.to(torch_dtype)
-    model.config._attn_implementation = "sdpa"
-    model.eval()
-    return LoadedModel(
-        model=model,
-        tokenizer=_IdTokenizer(config.vocab_size),
-        name=f"random-{spec}",
-        eos_ids=frozenset({2}),
-        device=device,
-        dtype=torch_dtype,
-        load_seconds=time.perf_counter() - t0,
-    )
-
-
-# ---- the command -----------------------------------------------------------------------------------
-
-
-def main(
-    *,
-    json_path: str | None = None,
-    turns: int = 0,
-    device: str | None = None,
-    random_weights: str | None = None,
-    requests: int = 32,
-    seed: int = 0,
-    model: str | None = None,
-    dtype: str = "auto",
-    paths: Sequence[str] = PATHS,
-    echo: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    from server.engine.model import pick_device
-
-    torch.set_grad_enabled(False)
-    dev = pick_device(device)
-    loaded = (
-        random_model(random_weights, dev, dtype)
-        if random_weights
-        else load_model(model, device=dev, dtype=dtype)
-    )
-    reqs = workload(loaded, requests, seed, random_ids=bool(random_weights))
-    echo(
-        f"tokenwire bench: {loaded.name} on {dev} ({str(loaded.dtype).removeprefix('torch.')}, "
-        f"{torch.get_num_threads()} threads); {len(reqs)} requests, prompts "
-        f"{min(len(r.prompt_ids) for r in reqs)}-{max(len(r.prompt_ids) for r in reqs)} tokens, "
-        f"outputs {OUT_MIN}-{OUT_MAX} ({sum(r.out_len for r in reqs)} useful tokens), greedy, EOS ignored"
-    )
-    results: dict[str, Any] = {}
-    runners: dict[str, Callable[[], PathResult]] = {
-        "ceiling": lambda: run_ceiling(loaded, reqs),
-        "static": lambda: run_static(loaded, reqs),
-        "hf_cb": lambda: run_hf_cb(loaded, reqs),
-        "engine": lambda: run_engine(loaded, reqs),
-    }
-    for name in PATHS:
-        if name not in paths:
-            continue
-        if name == "engine_poisson":
-            capacity = (results.get("engine") or {}).get("tok_s") or run_engine(loaded, reqs).tok_s or 1.0
-            mean_out = statistics.mean(r.out_len for r in reqs)
-            rate = POISSON_LOAD * capacity / mean_out
-            res = run_engine(loaded, reqs, arrivals=poisson_arrivals(len(reqs), rate, seed))
-            res.note = f"{rate:.2f} req/s ({POISSON_LOAD:.0%} of {capacity} tok/s); " + res.note
-        else:
-            try:
-                res = runners[name]()
-            except Exception as exc:  # a baseline that cannot run here is reported, not fatal
-                res = PathResult(note=f"failed: {type(exc).__name__}: {exc}"[:300])
-        results[name] = asdict(res)
-        echo(_row(name, res))
-    if "engine" in paths and len(reqs) > 1:
-        lj = run_late_join(loaded, reqs)
-        results["late_join"] = lj
-        echo(
-            f"late arrival while {lj['running']} decode: TTFT {lj['ttft_ms']} ms; its prefill alone "
-            f"{lj['prefill_alone_ms']} ms + 2 decode steps of {lj['decode_step_ms']} ms = {lj['bound_ms']} ms"
-        )
-    if turns:
-        reuse = run_turns(loaded, turns, reuse=True)
-        no_reuse = run_turns(loaded, turns, reuse=False)
-        results["turns"] = {"reuse": reuse, "no_reuse": no_reuse}
-        echo(f"TTFT per turn, prefix reuse (ms):    {reuse}")
-        echo(f"TTFT per turn, no prefix reuse (ms): {no_reuse}")
-    _ratios(results, echo)
-    if json_path:
-        Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
-        echo(f"wrote {json_path}")
-    return results
-
-
-def _row(name: str, r: PathResult) -> str:
-    f = [
-        ("-" if x is None else f"{x:.1f}")
-        for x in (r.tok_s, r.ttft_p50_ms, r.ttft_p99_ms, r.itl_p50_ms, r.itl_p99_ms)
-    ]
-    ttft, itl = f"TTFT p50 {f[1]:>8s} p99 {f[2]:>8s} ms", f"ITL p50 {f[3]:>7s} p99 {f[4]:>7s} ms"
-    return f"{name:15s} {f[0]:>8s} tok/s  {ttft}  {itl}  {r.note}"
-
-
-def _ratios(results: dict[str, Any], echo: Callable[[str], None]) -> None:
-    engine = (results.get("engine") or {}).get("tok_s")
-    if not engine:
-        return
-    for name in ("ceiling", "static", "hf_cb"):
-        base = (results.get(name) or {}).get("tok_s")
-        if base:
-            echo(f"engine / {name}: {engine / base:.2f}x")

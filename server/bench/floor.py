@@ -1,0 +1,114 @@
+"""The hardware's side of a decode step: the matmul-only floor, and where the engine's step time goes.
+
+The floor of a decode step at R rows is the time of the model's linear layers and its LM head on R rows,
+nothing else (no attention, norms, rotary, sampling or bookkeeping), through the same GEMM calls the
+engine makes (``llama.linear``: oneDNN on packed weights, or MKL/cuBLAS). The engine's median decode
+step over that floor at the same R is how close a step comes to what the hardware can do.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from server.engine import llama
+from server.engine.profile import StepRecord
+
+PHASES = (
+    "linear",
+    "attention",
+    "norms+rotary",
+    "other",
+    "layout",
+    "kv moves",
+    "sampling",
+    "schedule",
+    "postprocess",
+    "hand-off",
+)
+PHASE_NOTES = {
+    "linear": "the model's linear layers and LM head (GEMMs)",
+    "attention": "SDPA over the slot views, per pool",
+    "norms+rotary": "RMSNorms and rotary embeddings",
+    "other": "embedding, KV writes, SiLU*up, views",
+    "layout": "the step's token layout as tensors (runner.layout)",
+    "kv moves": "slot copies after sequences leave (Move/Swap)",
+    "sampling": "logits to tokens (sampling.sample)",
+    "schedule": "the scheduler's choice of work",
+    "postprocess": "detokenising, stop strings, output rules",
+    "hand-off": "on_step: every output to the worker",
+}
+
+
+def matmul_floor(weights: llama.Weights, rows: int, *, reps: int = 5) -> float:
+    """Median seconds of one decode step's linear layers plus the LM head at ``rows`` rows."""
+    dev = weights.embed.device
+    dtype = weights.embed.dtype
+    first = weights.layers[0]
+    d = first.qkv.w.shape[1]
+    inner = first.gate_up.w.shape[0] // 2
+    attn = first.o.w.shape[1]
+    x = torch.randn(rows, d, dtype=dtype, device=dev)
+    a = torch.randn(rows, attn, dtype=dtype, device=dev)
+    m = torch.randn(rows, inner, dtype=dtype, device=dev)
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        for L in weights.layers:
+            llama.linear(x, L.qkv)
+            llama.linear(a, L.o)
+            llama.linear(x, L.gate_up)
+            llama.linear(m, L.down)
+        llama.linear(x, weights.lm_head)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        one()  # warm-up: oneDNN primitives are created on first use for each shape
+        return statistics.median(one() for _ in range(reps))
+
+
+FLOOR_ROW_COUNTS = 8  # row counts measured: the most frequent among the decode steps (and the largest)
+
+
+def floors(weights: llama.Weights, rows: Iterable[int], *, reps: int = 3) -> dict[int, float]:
+    """The floor at the row counts most decode steps ran at (at most FLOOR_ROW_COUNTS of them, always
+    including the largest): measuring all of them takes minutes on a busy 2-core machine."""
+    counts = Counter(rows)
+    if not counts:
+        return {}
+    chosen = {max(counts), *(r for r, _ in counts.most_common(FLOOR_ROW_COUNTS - 1))}
+    return {r: matmul_floor(weights, r, reps=reps) for r in sorted(chosen)}
+
+
+def decode_steps(steps: Iterable[StepRecord]) -> list[StepRecord]:
+    """Decode-only steps (no prefill chunk), the ones the floor compares with."""
+    return [s for s in steps if s.prefill == 0 and s.rows > 0]
+
+
+def step_over_floor(steps: list[StepRecord], floor: dict[int, float]) -> dict[str, Any]:
+    """The median decode step over the floor at its own row count, and the step at the median."""
+    ratios = [s.seconds / floor[s.rows] for s in steps if s.rows in floor]
+    times = [s.seconds for s in steps]
+    return {
+        "step_over_floor": round(statistics.median(ratios), 2) if ratios else None,
+        "decode_steps": len(steps),
+        "steps_compared": len(ratios),  # decode steps at a row count whose floor was measured
+        "median_step_ms": round(statistics.median(times) * 1000, 1) if times else None,
+    }
+
+
+def breakdown(steps: list[StepRecord], rows: int) -> dict[str, float]:
+    """Median milliseconds per phase over the decode steps at ``rows`` rows (plus their median total)."""
+    at = [s for s in steps if s.rows == rows]
+    if not at:
+        return {}
+    out = {p: round(statistics.median(s.phases.get(p, 0.0) for s in at) * 1000, 2) for p in PHASES}
+    out["total"] = round(statistics.median(s.seconds for s in at) * 1000, 2)
+    return out

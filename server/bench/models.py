@@ -1,0 +1,100 @@
+"""Randomly initialised Llamas of known shapes, for benches with nothing to download."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.engine.model import LoadedModel
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Llama 3.2 1B's shape (vocabulary cut to SmolLM2's so prompts stay cheap to build).
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+    # SmolLM2-135M's shape: the default model, without its weights.
+    "135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+class IdTokenizer:
+    """Stands in for a tokenizer with random weights: id N decodes to " tN" and back; other text
+    encodes byte by byte (so the chat path and multi-turn prefix reuse work without a download)."""
+
+    chat_template = None
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f" t{int(i)}" for i in ids)
+
+    def encode(self, text: str, **_: Any) -> list[int]:
+        return [
+            int(m[1]) % self.vocab if m[1] else 3 + ord(m[2]) % (self.vocab - 3)
+            for m in re.finditer(r" t(\d+)|(.)", text, re.S)
+        ]
+
+
+def random_model(spec: str, device: str, dtype: str) -> LoadedModel:
+    """A randomly initialised Llama from a preset name (``1b``, ``135m``) or a config.json path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = PRESETS.get(spec.lower())
+    if fields is None:
+        path = Path(spec)
+        if not path.is_file():
+            known = ", ".join(PRESETS)
+            raise SystemExit(f"--random-weights {spec}: neither a preset ({known}) nor a config.json")
+        fields = json.loads(path.read_text())
+    config = LlamaConfig(**fields)
+    config.pad_token_id = 0
+    config.eos_token_id = 2
+    config.bos_token_id = 1
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model: Any = LlamaForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    model.eval()
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=IdTokenizer(config.vocab_size),
+        name=f"random-{spec}",
+        eos_ids=frozenset({2}),
+        device=device,
+        dtype=torch.float32,
+        load_seconds=0.0,
+    )
+    from server.engine.model import settle_dtype
+
+    settle_dtype(loaded, dtype)
+    loaded.load_seconds = time.perf_counter() - t0
+    return loaded

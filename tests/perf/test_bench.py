@@ -1,0 +1,96 @@
+"""``tokenwire bench`` (server/bench) on a tiny random Llama: the JSON it promises, every path warmed up
+alike, a failing path failing the bench, and the presets building. No timed assertion."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.bench import main as bench_main
+from server.bench import paths as bench_paths
+from server.bench.models import PRESETS, random_model
+from server.engine import llama
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=1024,
+)
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def _run(tiny_config: str, tmp_path: Path, **kw: Any) -> dict[str, Any]:
+    out = tmp_path / "bench.json"
+    lines: list[str] = []
+    kw.setdefault("paths", ("padded_loop", "engine"))
+    res = bench_main.main(
+        json_path=str(out), random_weights=tiny_config, requests=4, echo=lines.append, profile=True, **kw
+    )
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    assert lines[0].startswith("CPU: ")
+    return res
+
+
+def test_bench_json_has_the_headline_fields(tiny_config: str, tmp_path: Path) -> None:
+    res = _run(tiny_config, tmp_path, dtype="float32")
+    assert res["failed"] == []
+    assert res["padded_loop"]["tok_s"] > 0 and res["engine"]["tok_s"] > 0
+    assert res["padded_loop"]["useful_tokens"] == res["engine"]["useful_tokens"] > 0
+    assert res["engine"]["step_over_floor"] > 0 and res["engine"]["decode_steps"] > 0
+    assert res["floor"]["ms"] > 0
+    assert res["dtype"] == "float32"
+    assert res["cpu"]["model"] and isinstance(res["cpu"]["flags"], list)
+    assert res["ratios"]["padded_loop"] > 0
+    parts = res["profile"]["ms"]
+    assert set(parts) >= {"linear", "attention", "sampling", "schedule", "hand-off", "total"}
+    assert sum(v for k, v in parts.items() if k != "total") > 0
+
+
+def test_every_path_gets_the_same_warm_up(
+    tiny_config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[str, ...]] = []
+    real = bench_paths.warmup_requests
+
+    def spy(reqs: Any) -> Any:
+        warm = real(reqs)
+        seen.append(tuple(f"{r.key}:{r.out_len}" for r in warm))
+        return warm
+
+    monkeypatch.setattr(bench_paths, "warmup_requests", spy)
+    _run(tiny_config, tmp_path, paths=("padded_loop", "static", "engine"))
+    assert len(seen) >= 3 and len(set(seen)) == 1  # padded_loop, static, engine (and late join)
+
+
+def test_a_failing_path_fails_the_bench(
+    tiny_config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*a: Any, **kw: Any) -> Any:
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(bench_main, "run_static", broken)
+    res = _run(tiny_config, tmp_path, paths=("static", "engine"))
+    assert res["failed"] == ["static"]
+    assert "FAILED" in res["static"]["note"] and res["static"]["tok_s"] is None
+    assert "static" not in res.get("ratios", {})
+
+
+def test_the_135m_preset_is_smollm2_shaped() -> None:
+    m = random_model("135m", "cpu", "float32")
+    s = llama.shape_of(m.model)
+    assert (s.n_layers, s.hidden, s.n_heads, s.n_kv_heads, s.vocab) == (30, 576, 9, 3, 49152)
+    assert llama.unsupported_reason(m.model) is None
+    assert set(PRESETS) >= {"1b", "135m"}

@@ -1,0 +1,60 @@
+"""``tokenwire load --scenario hostile-prompt`` against a real ``tokenwire serve`` (tiny model): the report
+is complete and consistent, the hostile client's ~940 KiB chats are answered, and nobody else fails.
+No timed assertion: whether the gap target is met is the benchmark's business (make bench)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from server.load.hostile import HOSTILE_MESSAGES, hostile_messages, run_hostile
+from server.load.options import Dist, LoadConfig
+from tests.conftest import delete_prefix
+from tests.e2e.serve_process import ServeProcess
+
+
+@pytest.fixture(scope="module")
+def served(
+    tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServeProcess]:
+    data = tmp_path_factory.mktemp("hostile-serve")
+    prefix = f"twtest:hostile:{data.name}:"
+    p = ServeProcess(["--model", str(tiny_model_dir), "--redis-url", redis_url, "--key-prefix", prefix], data)
+    p.start()
+    try:
+        yield p
+    finally:
+        assert p.stop() == 0, p.stderr_path.read_text()[-2000:]
+        delete_prefix(redis_url, prefix)
+
+
+def test_the_hostile_chat_is_big_and_ordinary() -> None:
+    msgs = hostile_messages()
+    assert len(msgs) == HOSTILE_MESSAGES + 1
+    size = len(json.dumps(msgs).encode())
+    assert 900 * 1024 < size < 1 << 20
+    assert msgs[-1]["role"] == "user" and len(msgs[-1]["content"]) < 100
+
+
+async def test_hostile_prompt_scenario_reports_both_runs(served: ServeProcess) -> None:
+    cfg = LoadConfig(
+        url=served.url,
+        users=3,
+        requests=6,
+        duration=60,
+        max_tokens=Dist("uniform", 8, 16),
+        prompt_words=Dist("uniform", 4, 12),
+    )
+    rep = await run_hostile(cfg)
+    for run in (rep["alone"], rep["with_hostile"]):
+        assert run["requests_ok"] == 6 and run["requests_failed"] == 0
+        assert run["itl_p99_ms"] is not None and run["itl_max_ms"] >= run["itl_p99_ms"]
+    outcomes = rep["hostile"]["outcomes"]
+    # Every hostile chat ended with an answer (its last turn fits; the old turns are dropped).
+    assert outcomes and set(outcomes) <= {"done:stop", "done:length"}, outcomes
+    assert rep["max_with_over_p99_alone"] == pytest.approx(
+        rep["with_hostile"]["itl_max_ms"] / rep["alone"]["itl_p99_ms"], abs=0.01
+    )

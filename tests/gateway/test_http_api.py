@@ -149,7 +149,11 @@ async def test_unsupported_fields_are_refused_by_name(server: Running) -> None:
     assert ei.value.param == "messages[0].role"
     # n=1 and zero penalties are what many clients send by default: accepted.
     r = await client.chat.completions.create(
-        model="default", messages=msgs, n=1, presence_penalty=0, max_tokens=2  # type: ignore[arg-type]
+        model="default",
+        messages=msgs,
+        n=1,
+        presence_penalty=0,
+        max_tokens=2,  # type: ignore[arg-type]
     )
     assert r.choices[0].finish_reason == "length"
     assert server.engine.requests_started == 1
@@ -174,7 +178,11 @@ async def test_bad_bodies_get_documented_4xx_and_nothing_breaks(server: Running)
     status, _, _ = await raw(port, "POST", "/v1/chat/completions", deep, json_h)
     assert status == 400
     status, _, body = await raw(
-        port, "POST", "/v1/chat/completions", b'{"model":"default","messages":[]}', {**json_h, "Idempotency-Key": "a b"}
+        port,
+        "POST",
+        "/v1/chat/completions",
+        b'{"model":"default","messages":[]}',
+        {**json_h, "Idempotency-Key": "a b"},
     )
     assert status == 400
     status, _, body = await raw(port, "POST", "/v1/chat/completions", b"{}", {"Content-Type": "text/plain"})
@@ -214,7 +222,7 @@ async def test_owners_are_isolated_by_jwt(redis: aioredis.Redis, redis_url: str,
         assert a.choices[0].message.content != b.choices[0].message.content
         # A WebSocket chat of alice with that id is the same request (one namespace per owner).
         c = await Client.connect(s.url.replace("/v1/ws", "/v1/ws"), token=token("alice"))
-        _, _, done, errors = await collect(
+        _, _, _, errors = await collect(
             c.chat(messages=[{"role": "user", "content": "different"}], id="shared-key")
         )
         assert [e.code for e in errors] == ["idempotency_conflict"]
@@ -259,14 +267,18 @@ async def test_cancel_works_and_works_twice(server: Running) -> None:
     c2 = await client.responses.cancel(r.id)
     assert c1.status == c2.status == "cancelled"
     assert (await client.responses.retrieve(r.id)).status == "cancelled"
-    finals = [ev async for ev in await client.responses.retrieve(r.id, stream=True) if ev.type == "response.failed"]
+    finals = [
+        ev async for ev in await client.responses.retrieve(r.id, stream=True) if ev.type == "response.failed"
+    ]
     assert finals and finals[0].response.status == "cancelled"
 
 
 async def test_previous_response_id_continues_the_conversation(server: Running) -> None:
     client = sdk(server)
     first = await client.responses.create(model="default", input="one", max_output_tokens=3)
-    assert first.status == "incomplete" and first.output_text == "re[1] one s" + first.output_text.split(" s")[1]
+    assert (
+        first.status == "incomplete" and first.output_text == "re[1] one s" + first.output_text.split(" s")[1]
+    )
     second = await client.responses.create(
         model="default", input="two", previous_response_id=first.id, instructions="sys", max_output_tokens=3
     )
@@ -288,7 +300,7 @@ async def test_stream_without_key_is_cancelled_when_the_client_drops(server: Run
     owner = "http:" + hashlib.sha256(b"k-test").hexdigest()[:32]
 
     async def cancelled() -> None:
-        while await _only_request_state(server, owner) != "cancelled":
+        while await _only_request_state(server, owner) != "cancelled":  # noqa: ASYNC110 (state in Redis)
             await asyncio.sleep(0.02)
 
     await asyncio.wait_for(cancelled(), 10)

@@ -59,6 +59,7 @@ SUPPORTED = {
     "stream",
     "stream_options",
     "user",
+    "cache",  # tokenwire's extension: false = never answer from the response cache (SPEC 4.2)
 }
 
 
@@ -150,7 +151,7 @@ class ChatCompletions:
             raise bad("max_tokens and max_completion_tokens differ; give one", param="max_completion_tokens")
         if mct is not None or mt is not None:
             params["max_tokens"] = mct if mct is not None else mt
-        for key in ("temperature", "top_p", "seed", "stop"):
+        for key in ("temperature", "top_p", "seed", "stop", "cache"):
             if body.get(key) is not None:
                 params[key] = body[key]
         id, keyed = api.request_id(req)

@@ -160,7 +160,7 @@ class HttpApi:
 
     # ---- dispatch -------------------------------------------------------------------------------
 
-    def connection(self, hand_off: Callable[[], Any] | None = None) -> HttpConnection:
+    def connection(self) -> HttpConnection:
         """A new HTTP connection (the front door calls this when a connection's first request is ours)."""
         st = self.gw.settings
         return HttpConnection(

@@ -171,6 +171,8 @@ class HttpConnection(asyncio.Protocol):
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise _TooLarge()
+        if self.h11.they_are_waiting_for_100_continue:
+            await self._write(h11.InformationalResponse(status_code=100, headers=[]))
         chunks: list[bytes] = []
         size = 0
         while True:

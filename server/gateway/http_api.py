@@ -16,14 +16,19 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
+from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
 from server import metrics
 from server.gateway.auth import authenticate
 from server.gateway.connection import degrade, response_cache_key
+from server.gateway.front_door import is_http_api
 from server.gateway.http_conn import HttpConnection, HttpRequest, HttpResponse
 from server.gateway.limits import user_rate
 from server.store.logs import LogEntry
@@ -173,6 +178,8 @@ class HttpApi:
         )
 
     async def handle(self, req: HttpRequest) -> HttpResponse:
+        if not is_http_api(req.path):
+            return self._plain(req)
         try:
             allowed: list[str] = []
             for route in self.routes:
@@ -193,6 +200,24 @@ class HttpApi:
         except ApiError as exc:
             metrics.ERRORS.labels(f"http_{exc.status}").inc()
             return exc.response()
+
+    def _plain(self, req: HttpRequest) -> HttpResponse:
+        """A path outside the API on a kept-alive API connection (e.g. a client pool that asks for
+        /healthz too): answered by the gateway's own plain-HTTP handler, exactly as on a fresh
+        connection, and the connection closes after it (as websockets closes it)."""
+        request = Request(req.target, Headers(list(req.headers.items())))
+        request.method = req.method
+        answer = self.gw._process_request(cast(ServerConnection, _Responder()), request)
+        if answer is None:  # /v1/ws: an upgrade must be the first request of its connection
+            answer = _Responder().respond(
+                HTTPStatus.BAD_REQUEST, "a WebSocket must open its own connection\n"
+            )
+        headers = [
+            (k, v) for k, v in answer.headers.raw_items() if k.lower() not in ("content-length", "connection")
+        ]
+        return HttpResponse(
+            answer.status_code, [*headers, ("Connection", "close")], bytes(answer.body or b"")
+        )
 
     def caller(self, req: HttpRequest) -> Caller:
         """The owner, as on the WebSocket: the JWT's ``sub`` when auth is on. With auth off the bearer
@@ -391,6 +416,15 @@ class HttpApi:
         if args["model"] not in self.model_names():
             raise ApiError(404, f"model {args['model'][:80]!r} is not served here", code="model_not_found")
         return json_response(_model_card(args["model"]))
+
+
+class _Responder:
+    """What the gateway's plain-HTTP handler needs of a websockets connection: ``respond``."""
+
+    def respond(self, status: HTTPStatus, text: str) -> Response:
+        body = text.encode()
+        headers = Headers([("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+        return Response(status.value, status.phrase, headers, body)
 
 
 def _model_card(name: str) -> dict[str, Any]:

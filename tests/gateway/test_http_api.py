@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -316,3 +317,16 @@ async def _only_request_state(server: Running, owner: str) -> str | None:
 def test_chat_frame_validation_is_shared() -> None:
     # The HTTP body becomes this very frame type: one set of rules for both doors.
     assert Chat(id="x", messages=(Message("user", "y"),), params=Params()).canonical()
+
+
+async def test_a_kept_alive_api_connection_still_gets_health_answers(server: Running) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+    assert head.startswith(b"HTTP/1.1 200")
+    assert json.loads(await reader.readexactly(length))["object"] == "list"
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # same connection
+    rest = await asyncio.wait_for(reader.read(), 10)  # answered, then closed
+    writer.close()
+    assert rest.startswith(b"HTTP/1.1 200") and rest.endswith(b"ok\n")

@@ -213,7 +213,7 @@ class Responses:
             "metadata": metadata or {},
         }
         kind = "responses"
-        res = await api.submit(caller, chat, kind=kind, extra=extra, background=background)
+        await api.submit(caller, chat, kind=kind, extra=extra, background=background)
         rid = PREFIX + id
         if stream:
             return HttpResponse(200, list(SSE_HEADERS), stream=self._events(caller, rid, None, background))
@@ -226,7 +226,6 @@ class Responses:
             if not keyed:  # the client never learnt the id: nothing can re-attach
                 await api.cancel_quietly(caller.owner, id)
             raise
-        del res
         return json_response(self._object(rid, await self._find(caller, rid)))
 
     async def _wait(self, caller: Caller, id: str) -> None:

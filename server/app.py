@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,7 +131,9 @@ def load_engine(model: str | None, *, device: str | None = None, dtype: str = "a
     return loaded, engine_for(loaded)  # batching for Llama-family models, SimpleEngine for the rest
 
 
-async def start_worker(cfg: ServeConfig, h: StoreHandles) -> Any:
+async def start_worker(
+    cfg: ServeConfig, h: StoreHandles, on_model: Callable[[str], None] | None = None
+) -> Any:
     from server.worker.loop import Worker
 
     use_threads(cfg.threads)
@@ -139,6 +141,8 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles) -> Any:
         None, lambda: load_engine(cfg.model, device=cfg.device, dtype=cfg.dtype)
     )
     worker = Worker(h.store, engine, name=cfg.name, max_running=cfg.max_running)
+    if on_model is not None:
+        on_model(loaded.name)  # the gateway in this process lists it on GET /v1/models
     await worker.start()
     print(f"tokenwire ready: model {loaded.name} on {loaded.device} (worker {worker.name})", flush=True)
     return worker
@@ -152,7 +156,7 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
         state: dict[str, Any] = {}
         # Ready once the worker is up, and not while it cannot reach Redis (it takes no work then).
         gateway = await start_gateway(cfg, h, ready=lambda: "worker" in state and state["worker"].store_ok)
-        worker_task = asyncio.create_task(start_worker(cfg, h))
+        worker_task = asyncio.create_task(start_worker(cfg, h, gateway.http.models.append))
         stop_task = asyncio.create_task(stop.wait())
         try:
             done, _ = await asyncio.wait({worker_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)

@@ -19,6 +19,8 @@ from protocol import SUBPROTOCOLS, CloseCode, frames
 from server import metrics
 from server.aio import cancel_and_wait
 from server.gateway.connection import Connection, handle
+from server.gateway.front_door import front_door_factory
+from server.gateway.http_api import HttpApi
 from server.gateway.routing import Router
 from server.gateway.static import static_response
 from server.metrics import MetricsServer, serve_metrics
@@ -88,6 +90,7 @@ class Gateway:
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.reader = LogReader(reader_redis, store.keys.wake(self.name))
         self.router = Router(store)
+        self.http = HttpApi(self)  # the OpenAI-compatible HTTP API on the same port (front_door.py)
         self.ready = ready
         self.connections: set[Connection] = set()
         self._attached: dict[str, int] = {}  # request key -> streams of this process attached to it
@@ -194,6 +197,7 @@ class Gateway:
         """Listen; returns the bound port (useful with port 0)."""
         self.reader.start()
         self._touch_task = asyncio.create_task(self._touch_loop(), name="gateway-touch")
+        open_timeout_s = 10.0  # websockets' default opening-handshake timeout
         self._server = await serve(
             lambda ws: handle(self, ws),
             self.settings.host,
@@ -206,6 +210,9 @@ class Gateway:
             ping_interval=self.settings.ping_interval_s,
             ping_timeout=self.settings.ping_interval_s,
             compression=None,  # per-message deflate costs CPU and memory per socket for ~20-byte frames
+            # Every connection's first request line picks websockets or the HTTP API (front_door.py).
+            create_connection=front_door_factory(lambda _ws: self.http.connection(), open_timeout_s),  # type: ignore[arg-type]
+            open_timeout=open_timeout_s,
         )
         sock = next(iter(self._server.sockets))
         port: int = sock.getsockname()[1]
@@ -220,6 +227,8 @@ class Gateway:
         """Stop accepting, then close open connections with 1012 so clients reconnect and resume."""
         if self._server is not None:
             self._server.close(close_connections=False)
+            for h in list(self.http.connections):
+                h.close()  # HTTP streams end; a client with an Idempotency-Key or a response id resumes
             await asyncio.gather(
                 *(c.ws.close(CloseCode.SERVICE_RESTART, "server restarting") for c in list(self.connections)),
                 return_exceptions=True,

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     # The same workload straight into an engine in the load tool's process, then through a real server
     # (gateway, Redis log, worker, WebSocket): their ratio is the server's own overhead. Alternated over
     # E2E_ROUNDS rounds, because one noisy moment on a shared machine moves a single run by 5-10 %.
-    results["engine_only"], results["load32"] = [], []
+    results["engine_only"], results["load32"], results["load32_http"] = [], [], []
     with _Server(
         ["serve", "--port", "0", "--data-dir", str(data), "--log-level", "warning"], "tokenwire ready"
     ) as s:
@@ -164,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             )  # the server waits idle meanwhile: no work, no CPU
             results["load32"].append(
                 _load(s.urls[0], work / f"load32-{i}.json", *workload, "--subprotocol", "both")
+            )
+            # The same workload through the same server's OpenAI-compatible HTTP API (streamed SSE).
+            http = s.urls[0].replace("ws://", "http://").removesuffix("/ws")
+            results["load32_http"].append(
+                _load(http, work / f"load32_http-{i}.json", *workload, "--api", "openai")
             )
     with _Server(
         ["serve", "--port", "0", "--data-dir", str(data), "--log-level", "warning"], "tokenwire ready"
@@ -436,7 +441,42 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
     for name in ("msgpack", "json", "sse"):
         sse_ratio = w["ratio_to_sse"].get(name) if name != "sse" else 1.0
         lines.append(f"| {name} | {_f(w['bytes_per_token'].get(name))} | {_f(sse_ratio, 2)}x |")
+    https = r.get("load32_http") or []
+    if https:
+        measured = https[0]["wire"]["measured"].get("sse") or {}
+        sse_model = w["bytes_per_token"].get("sse")
+        ratio = f"{measured['wire_per_token'] / sse_model:.2f}x" if sse_model and measured else "—"
+        lines.append(
+            f"| sse, measured from tokenwire's HTTP API | {_f(measured.get('wire_per_token'))} | {ratio} |"
+        )
     lines.append("\nTarget: msgpack ≤ 0.35x the SSE chunk.")
+    if https:
+        http_tok = sum(h["tokens"]["per_s"] for h in https) / len(https)
+        h0 = https[0]
+        lines += [
+            "",
+            "## The same workload over HTTP (`tokenwire load --api openai`, OpenAI chat completions)",
+            "",
+            "The same server, users, prompts, lengths and seeds, each round right after the WebSocket run:",
+            "streamed `POST /v1/chat/completions` on keep-alive connections. No peer server (llama.cpp's,",
+            "vLLM) was at hand on this machine; `tokenwire load --api openai http://HOST:PORT/v1`",
+            "drives one.",
+            "",
+            "| | WebSocket (msgpack/JSON) | HTTP (SSE) |",
+            "| --- | ---: | ---: |",
+            f"| tokens/s, mean of {len(https)} rounds | {_f(e2e)} | {_f(http_tok)} |",
+            f"| requests ok / failed (round 1) | {ld['requests']['ok']} / {ld['requests']['failed']} | "
+            f"{h0['requests']['ok']} / {h0['requests']['failed']} |",
+            *(
+                f"| {label} p50 / p99 ms (round 1) | "
+                + " | ".join(f"{_f(x[key].get('p50'), d)} / {_f(x[key].get('p99'), d)}" for x in (ld, h0))
+                + " |"
+                for label, key, d in (("TTFT", "ttft_ms", 0), ("inter-token", "itl_ms", 1))
+            ),
+            "",
+            "HTTP inter-token latency is per SSE chunk (a chunk may carry several tokens when a client falls",
+            "behind); tokens count from each response's `usage`.",
+        ]
     idle = r["idle"]
     lines += [
         "",

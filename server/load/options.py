@@ -96,6 +96,8 @@ class LoadConfig:
     token: str | None = None
     server_pid: int | None = None
     sse_model: str = "SmolLM2-135M-Instruct"
+    api: str = "tokenwire"  # tokenwire (WebSocket) | openai (streaming chat completions over HTTP)
+    api_model: str = "default"  # with api openai: the body's model
     json_path: Path | None = None
     plot_path: Path | None = None
     scenario: str = "normal"  # normal | hostile-prompt (hostile.py)
@@ -117,6 +119,8 @@ class LoadConfig:
             raise ValueError(f"--verify must be one of {', '.join(VERIFY_MODES)}")
         if self.scenario not in SCENARIOS:
             raise ValueError(f"--scenario must be one of {', '.join(SCENARIOS)}")
+        if self.api == "openai" and (self.idle or self.drop_rate or self.subprotocol != "msgpack"):
+            raise ValueError("--api openai has no --idle, --drop-rate or --subprotocol (HTTP streams)")
 
     def describe(self) -> dict[str, object]:
         """The configuration as plain JSON values (for the report)."""
@@ -139,12 +143,21 @@ class LoadConfig:
             "subprotocol": self.subprotocol,
             "verify": self.verify,
             "seed": self.seed,
+            "api": self.api,
         }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``tokenwire load``."""
     p.add_argument("url", nargs="?", help="the server's WebSocket URL, e.g. ws://127.0.0.1:8765/v1/ws")
+    p.add_argument(
+        "--api",
+        choices=("tokenwire", "openai"),
+        default="tokenwire",
+        help="openai: drive any OpenAI-compatible server (URL http://HOST:PORT/v1) with streaming chat "
+        "completions, same workload and report (default: tokenwire's WebSocket protocol)",
+    )
+    p.add_argument("--api-model", default="default", help="with --api openai: the model to ask for")
     e = p.add_argument_group("engine only (no server: the overhead baseline)")
     e.add_argument(
         "--engine-only",
@@ -294,6 +307,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         scenario=args.scenario,
         server_pid=args.server_pid,
         sse_model=args.sse_model,
+        api=args.api,
+        api_model=args.api_model,
         json_path=args.json_path,
         plot_path=args.plot_path,
     )

@@ -195,7 +195,12 @@ async def run_load(
             await asyncio.sleep(cfg.duration or 0.0)
             window = state.now()
         else:
-            await drive(state, websocket_conversation(state))
+            if cfg.api == "openai":
+                from server.load.openai_api import openai_conversation
+
+                await drive(state, openai_conversation(state))
+            else:
+                await drive(state, websocket_conversation(state))
             ends = [r.done_at for r in state.records if r.done_at is not None]
             window = max(ends) if ends else state.now()
     finally:

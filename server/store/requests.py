@@ -67,6 +67,18 @@ class RequestInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestView:
+    """A request as an HTTP client sees it (``RequestStore.view``)."""
+
+    info: RequestInfo
+    payload: dict[str, Any]
+    created_ms: int
+    text: str  # the completion text logged so far
+    error_code: str = ""  # when it failed: the code and message its log ends with
+    error_message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class WorkItem:
     """What a worker needs to run a request it has just started."""
 
@@ -142,6 +154,7 @@ class RequestStore:
         cache_key: str = "",
         shared_cache: bool = False,
         turn_after: str | None = None,
+        detach_timeout_ms: int | None = None,
     ) -> SubmitResult:
         """Create request ``(owner, id)`` and queue it, or report what exists under that id. Atomic.
 
@@ -159,6 +172,8 @@ class RequestStore:
         ``SessionStore.last_turn`` gave it, which the caller waited for and whose reply its history holds
         ("" for the first turn). If another turn was accepted since → ``turn_moved``, nothing written;
         otherwise this request becomes the session's latest turn. None: not a content-mode turn.
+        ``detach_timeout_ms`` overrides the detach timeout of this request (a background HTTP response
+        passes its unfinished TTL: nobody needs to stay attached to it).
         """
         k = self.keys
         st = self.settings
@@ -187,7 +202,7 @@ class RequestStore:
                 json.dumps(user_message) if user_message else "",
                 st.unfinished_ttl_ms,
                 st.max_queued,
-                st.detach_timeout_ms,
+                st.detach_timeout_ms if detach_timeout_ms is None else detach_timeout_ms,
                 prefer,
                 st.retention_ms,
                 st.history_max_messages,
@@ -219,6 +234,43 @@ class RequestStore:
             prompt_tokens=int(f[3] or 0),
             finish_reason=_s(f[4]) if f[4] is not None else None,
             session=_s(f[5] or b""),
+        )
+
+    async def view(self, owner: str, id: str) -> RequestView | None:
+        """The request's record, its payload and the text logged so far, read in one transaction (the
+        text is exactly what the record says has been logged). None if unknown (as :meth:`get`)."""
+        pipe = self.r.pipeline(transaction=True)
+        fields = ["state", "epoch", "completion_tokens", "prompt_tokens", "finish_reason", "session"]
+        pipe.hmget(self.keys.request(owner, id), [*fields, "payload", "created_ms"])
+        pipe.xrange(self.keys.log(owner, id))
+        f, entries = await execute(pipe)
+        if f[0] is None:
+            return None
+        info = RequestInfo(
+            owner=owner,
+            id=id,
+            state=_s(f[0]),
+            epoch=int(f[1] or 1),
+            completion_tokens=int(f[2] or 0),
+            prompt_tokens=int(f[3] or 0),
+            finish_reason=_s(f[4]) if f[4] is not None else None,
+            session=_s(f[5] or b""),
+        )
+        text: list[str] = []
+        error_code = error_message = ""
+        for _id, fields in entries:
+            if b"d" in fields:
+                error_code = _s(fields.get(b"e", b""))
+                error_message = _s(fields.get(b"m", b""))
+            elif b"t" in fields:
+                text.append(_s(fields[b"t"]))
+        return RequestView(
+            info=info,
+            payload=json.loads(_s(f[6])) if f[6] else {},
+            created_ms=int(f[7] or 0),
+            text="".join(text),
+            error_code=error_code,
+            error_message=error_message,
         )
 
     async def cancel(self, owner: str, id: str) -> str | None:

@@ -202,3 +202,22 @@ def test_engine_only_flags_are_checked(args: list[str], message: str) -> None:
         [sys.executable, "-m", "server.cli", "load", *args], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+async def test_load_api_openai_runs_the_same_workload_over_http(served: ServeProcess) -> None:
+    """``--api openai`` against tokenwire's own HTTP API: the same seeded prompts as over the WebSocket
+    (equal prompt tokens, request by request), a consistent report, and measured SSE bytes per token."""
+
+    def cfg(**kw: Any) -> LoadConfig:
+        return LoadConfig(users=1, requests=4, max_tokens=Dist("uniform", 8, 16), seed=3, **kw)
+
+    ws = await run(cfg(url=served.url), progress=False)
+    http = served.url.replace("ws://", "http://").removesuffix("/ws")
+    rep = await run(cfg(url=http, api="openai"), progress=False)
+    rq, tk = rep["requests"], rep["tokens"]
+    assert rq["issued"] == rq["ok"] == 4 and rq["failed"] == 0, rq["failed_by_code"]
+    assert tk["completion"] == tk["streamed_live"] > 0
+    assert tk["prompt"] == ws["tokens"]["prompt"] > 0
+    assert rep["ttft_ms"]["n"] == 4 and rep["config"]["api"] == "openai"
+    sse = rep["wire"]["measured"]["sse"]
+    assert sse["tokens"] > 0 and sse["wire_per_token"] > ws["wire"]["measured"]["msgpack"]["wire_per_token"]

@@ -1,0 +1,118 @@
+"""One port, two doors: every TCP connection's first request line decides who serves it.
+
+The gateway keeps ``websockets`` for ``/v1/ws`` (its per-connection memory and throughput are measured
+by ``make bench``) and for the plain GETs it already answers (``/healthz``, ``/readyz``, ``/metrics``, the
+UI). The OpenAI-compatible HTTP API (``POST`` bodies, streamed SSE responses) needs an HTTP/1.1 server
+that websockets is not, so the connection is handed to :class:`server.gateway.http_conn.HttpConnection`
+(h11) instead.
+
+The hand-off uses websockets' documented ``create_connection`` hook: websockets calls it for each new
+TCP connection with its sans-I/O protocol and server, and the returned :class:`FrontDoor` is the asyncio
+protocol until the request line has arrived. Then it builds the real websockets ``ServerConnection``
+(or the HTTP connection), gives it the transport and the bytes read so far, and is dropped: an idle
+WebSocket holds exactly what it held before this layer existed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection
+from websockets.server import ServerProtocol
+
+# A request line longer than this is not ours to parse: websockets answers it (414/400) as before.
+MAX_REQUEST_LINE = 8192
+
+WS_PATH = "/v1/ws"
+API_PREFIX = "/v1/"
+
+
+def is_http_api(path: str) -> bool:
+    """Whether a request path belongs to the OpenAI-compatible HTTP API (everything under ``/v1/`` but
+    the WebSocket endpoint); every other path is answered by websockets, as before."""
+    path = path.split("?", 1)[0]
+    return path.startswith(API_PREFIX) and path != WS_PATH
+
+
+def request_path(line: bytes) -> str:
+    """The path of an HTTP request line (``GET /x HTTP/1.1``), or "" when it is not one."""
+    parts = line.split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+        return ""
+    try:
+        return parts[1].decode("ascii")
+    except UnicodeDecodeError:
+        return ""
+
+
+class FrontDoor(asyncio.Protocol):
+    """Reads up to the end of the first request line, then hands the connection over (see module)."""
+
+    __slots__ = ("_buf", "_make_http", "_make_ws", "_timeout_s", "_timer", "_transport")
+
+    def __init__(
+        self,
+        make_ws: Callable[[], asyncio.Protocol],
+        make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol],
+        timeout_s: float,
+    ) -> None:
+        self._make_ws = make_ws
+        self._make_http = make_http
+        self._buf = b""
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timeout_s = timeout_s
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        # websockets' own opening timeout starts only once it has the connection: a client that sends
+        # nothing (or half a line) is closed here instead.
+        self._timer = asyncio.get_running_loop().call_later(self._timeout_s, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        end = self._buf.find(b"\r\n")
+        if end < 0 and len(self._buf) <= MAX_REQUEST_LINE:
+            return
+        path = request_path(self._buf[:end]) if end >= 0 else ""
+        if is_http_api(path):
+            self._hand_to(self._make_http(self._make_ws))
+        else:
+            self._hand_to(self._make_ws())
+
+    def _hand_to(self, protocol: asyncio.Protocol) -> None:
+        transport = self._transport
+        assert transport is not None
+        if self._timer is not None:
+            self._timer.cancel()
+        data, self._buf = self._buf, b""
+        self._transport = None
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        protocol.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return False  # closed before a request line: nothing to answer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._transport = None
+
+
+def front_door_factory(
+    make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol], timeout_s: float
+) -> Callable[..., Any]:
+    """A ``create_connection`` for :func:`websockets.asyncio.server.serve` that puts a
+    :class:`FrontDoor` before websockets' own connection."""
+
+    def create_connection(protocol: ServerProtocol, server: Server, **kwargs: Any) -> FrontDoor:
+        def make_ws() -> asyncio.Protocol:
+            return ServerConnection(protocol, server, **kwargs)
+
+        return FrontDoor(make_ws, make_http, timeout_s)
+
+    return create_connection

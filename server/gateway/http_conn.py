@@ -1,0 +1,264 @@
+"""An HTTP/1.1 connection for the OpenAI-compatible API: h11 parses and frames, this moves the bytes.
+
+One request at a time per connection (keep-alive, no pipelining in parallel). A handler returns an
+:class:`HttpResponse` whose body is either bytes or an async iterator of chunks (SSE), written with
+chunked transfer coding and flow control. When the client goes away the handler's task is cancelled,
+so a handler learns about a dropped connection as a ``CancelledError`` at its current ``await`` (and
+decides there whether the generation goes on). Bodies past ``max_body`` get 413 and the connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import h11
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class HttpRequest:
+    method: str
+    target: str  # path and query, as sent
+    headers: dict[str, str]  # lower-case names; a repeated header keeps its last value
+    body: bytes = b""
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+    @property
+    def query(self) -> str:
+        return self.target.partition("?")[2]
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    status: int
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None  # SSE: chunks written as they come
+
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+ErrorBody = Callable[[int, str], HttpResponse]  # a framing error's response (status, message)
+
+
+class HttpConnection(asyncio.Protocol):
+    """asyncio protocol: feeds h11, runs one handler task per request, writes its response."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        error: ErrorBody,
+        *,
+        max_body: int,
+        idle_timeout_s: float,
+        write_timeout_s: float,
+        registry: set[HttpConnection] | None = None,
+    ) -> None:
+        self.handler = handler
+        self.error = error
+        self.max_body = max_body
+        self.idle_timeout_s = idle_timeout_s
+        self.write_timeout_s = write_timeout_s
+        self.registry = registry
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
+        self.transport: asyncio.Transport | None = None
+        self._data = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._discard = False  # after refusing a body: read and drop the rest (see _linger)
+
+    # ---- asyncio protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if self.registry is not None:
+            self.registry.add(self)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="http-connection")
+
+    def data_received(self, data: bytes) -> None:
+        if self._discard:
+            return
+        with contextlib.suppress(h11.RemoteProtocolError):  # surfaces from next_event() in _run
+            self.h11.receive_data(data)
+        self._data.set()
+
+    def eof_received(self) -> bool | None:
+        # A client that half-closes is gone as far as streaming goes: treat EOF as a disconnect.
+        with contextlib.suppress(h11.RemoteProtocolError):
+            self.h11.receive_data(b"")
+        self._data.set()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._writable.set()
+        self._data.set()
+        if self.registry is not None:
+            self.registry.discard(self)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the handler sees CancelledError: the client is gone
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def close(self) -> None:
+        """Close now (the server is stopping); a handler in progress is cancelled."""
+        if self.transport is not None and not self._closed:
+            self.transport.close()
+
+    # ---- the request loop ------------------------------------------------------------------------
+
+    async def _next_event(self, timeout_s: float) -> h11.Event | type[h11.PAUSED] | type[h11.NEED_DATA]:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                event = self.h11.next_event()
+                if event is not h11.NEED_DATA:
+                    return event
+                if self._closed:
+                    return h11.ConnectionClosed()
+                self._data.clear()
+                await self._data.wait()
+
+    async def _run(self) -> None:
+        try:
+            while not self._closed:
+                try:
+                    request = await self._read_request()
+                except (TimeoutError, h11.RemoteProtocolError, _TooLarge) as exc:
+                    await self._fail(exc)
+                    return
+                if request is None:
+                    return
+                try:
+                    response = await self.handler(request)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("http.handler_failed", path=request.path)
+                    response = self.error(500, "internal server error")
+                await self._respond(response)
+                if self.h11.our_state is h11.MUST_CLOSE or self._closed:
+                    return
+                self.h11.start_next_cycle()
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("http.connection_failed")
+        finally:
+            if self.transport is not None:
+                self.transport.close()
+
+    async def _read_request(self) -> HttpRequest | None:
+        event = await self._next_event(self.idle_timeout_s)
+        if isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+            return None
+        if not isinstance(event, h11.Request):
+            raise h11.RemoteProtocolError("expected a request")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            raise _TooLarge()
+        if self.h11.they_are_waiting_for_100_continue:
+            await self._write(h11.InformationalResponse(status_code=100, headers=[]))
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            ev = await self._next_event(self.idle_timeout_s)
+            if isinstance(ev, h11.Data):
+                size += len(ev.data)
+                if size > self.max_body:
+                    raise _TooLarge()
+                chunks.append(bytes(ev.data))
+            elif isinstance(ev, h11.EndOfMessage):
+                break
+            else:
+                return None  # closed mid-body
+        return HttpRequest(
+            method=event.method.decode("ascii", "replace"),
+            target=event.target.decode("ascii", "replace"),
+            headers=headers,
+            body=b"".join(chunks),
+        )
+
+    async def _fail(self, exc: Exception) -> None:
+        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE) or self._closed:
+            return
+        if isinstance(exc, _TooLarge):
+            resp = self.error(413, f"request body larger than {self.max_body} bytes")
+        elif isinstance(exc, TimeoutError):
+            if self.h11.their_state is h11.IDLE:
+                return  # an idle keep-alive connection: just close it
+            resp = self.error(408, "request not received in time")
+        else:
+            resp = self.error(400, f"malformed HTTP request: {exc}"[:200])
+        resp.headers.append(("Connection", "close"))
+        with contextlib.suppress(Exception):
+            await self._respond(resp)
+            if isinstance(exc, _TooLarge):
+                await self._linger()
+
+    async def _linger(self) -> None:
+        """Closing with unread request bytes makes the kernel send RST, which can destroy the response
+        before the client reads it. Half-close, then drop what still arrives for a moment."""
+        self._discard = True
+        if self.transport is not None and self.transport.can_write_eof():
+            self.transport.write_eof()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                while not self._closed:
+                    self._data.clear()
+                    await self._data.wait()
+
+    async def _write(self, event: h11.Event) -> None:
+        data = self.h11.send(event)
+        if data is None or self.transport is None or self._closed:
+            if self._closed:
+                raise asyncio.CancelledError
+            return
+        self.transport.write(data)
+        if not self._writable.is_set():
+            try:
+                # A client that stops reading must not pile chunks up in memory: close it instead.
+                await asyncio.wait_for(self._writable.wait(), self.write_timeout_s)
+            except TimeoutError:
+                self.transport.abort()
+                raise asyncio.CancelledError from None
+        if self._closed:
+            raise asyncio.CancelledError
+
+    async def _respond(self, response: HttpResponse) -> None:
+        headers = [(k, v) for k, v in response.headers]
+        if response.stream is None:
+            headers.append(("Content-Length", str(len(response.body))))
+        await self._write(h11.Response(status_code=response.status, headers=headers))
+        if response.stream is None:
+            if response.body:
+                await self._write(h11.Data(data=response.body))
+        else:
+            stream = response.stream
+            try:
+                async for chunk in stream:
+                    if chunk:
+                        await self._write(h11.Data(data=chunk))
+            finally:
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        await self._write(h11.EndOfMessage())
+
+
+class _TooLarge(Exception):
+    pass

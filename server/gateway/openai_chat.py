@@ -1,0 +1,253 @@
+"""``POST /v1/chat/completions``: OpenAI's chat completions over tokenwire requests.
+
+The body becomes a tokenwire ``chat`` in messages mode (validated by the protocol's own rules), the
+``Idempotency-Key`` header its id. Streaming answers are SSE ``chat.completion.chunk`` events ending with
+``data: [DONE]``; a retry with the same key and body replays the same generation from its start.
+Anything tokenwire does not do gets a 400 naming the field, never silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from server.gateway.http_api import (
+    SSE_HEADERS,
+    ApiError,
+    Caller,
+    bad,
+    entry_error,
+    json_response,
+    sse,
+    usage,
+)
+from server.gateway.http_conn import HttpRequest, HttpResponse
+from server.store.logs import LogEntry
+
+if TYPE_CHECKING:
+    from server.gateway.http_api import HttpApi
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+# Fields tokenwire accepts only with the value that means "nothing special" (what many clients send by
+# default); any other value is refused with a 400 naming the field.
+NEUTRAL: dict[str, Any] = {
+    "n": lambda v: v == 1,
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "logprobs": lambda v: v is False,
+    "logit_bias": lambda v: v == {},
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "response_format": lambda v: v == {"type": "text"},
+    "modalities": lambda v: v == ["text"],
+    "service_tier": lambda v: v in ("auto", "default"),
+    "store": lambda v: v is False,
+}
+SUPPORTED = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+    "cache",  # tokenwire's extension: false = never answer from the response cache (SPEC 4.2)
+}
+
+
+def check_fields(body: dict[str, Any], supported: set[str], neutral: dict[str, Any]) -> None:
+    """A 400 for the first field tokenwire would otherwise have to ignore (null counts as absent)."""
+    for key, value in body.items():
+        if value is None or key in supported:
+            continue
+        ok = neutral.get(key)
+        if ok is not None and ok(value):
+            continue
+        what = "unsupported value for" if ok is not None else "unsupported parameter"
+        raise bad(
+            f"{what} {key[:60]!r}: tokenwire does not do this", param=key[:60], code="unsupported_parameter"
+        )
+
+
+def text_content(content: object, where: str, part_types: tuple[str, ...]) -> str:
+    """A message's content: a string, or an array of text parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in part_types:
+                raise bad(
+                    f"{where}[{i}]: only text parts ({', '.join(part_types)}) are supported", param=where
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad(f"{where}[{i}].text: expected a string", param=where)
+            out.append(text)
+        return "".join(out)
+    raise bad(f"{where}: expected a string or an array of text parts", param=where)
+
+
+def chat_messages(messages: object) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages: expected a non-empty array of {role, content}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where}: expected an object {{role, content}}", param=where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"{where}.role: one of {', '.join(ROLES)}", param=f"{where}.role")
+        for key, value in m.items():
+            if key not in ("role", "content", "name") and value is not None:
+                raise bad(f"{where}.{key[:40]}: not supported by tokenwire", param=f"{where}.{key[:40]}")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        out.append({"role": ROLES[role], "content": text_content(content, f"{where}.content", ("text",))})
+    return out
+
+
+class ChatCompletions:
+    def __init__(self, api: HttpApi) -> None:
+        self.api = api
+
+    async def create(self, req: HttpRequest, caller: Caller, args: dict[str, str]) -> HttpResponse:
+        api = self.api
+        body = api.json_body(req)
+        check_fields(body, SUPPORTED, NEUTRAL)
+        model = api.check_model(body.get("model"))
+        messages = chat_messages(body.get("messages"))
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise bad("stream: expected a boolean", param="stream")
+        include_usage = False
+        opts = body.get("stream_options")
+        if opts is not None:
+            if not stream or not isinstance(opts, dict):
+                raise bad("stream_options: an object, only with stream: true", param="stream_options")
+            for key, value in opts.items():
+                if key != "include_usage" and value is not None:
+                    raise bad(f"stream_options.{key[:40]}: not supported", param="stream_options")
+            iu = opts.get("include_usage")
+            if iu is not None and not isinstance(iu, bool):
+                raise bad("stream_options.include_usage: expected a boolean", param="stream_options")
+            include_usage = bool(iu)
+        user = body.get("user")
+        if user is not None and (not isinstance(user, str) or len(user) > 256):
+            raise bad("user: a string of at most 256 characters", param="user")
+        params: dict[str, Any] = {}
+        mt, mct = body.get("max_tokens"), body.get("max_completion_tokens")
+        if mt is not None and mct is not None and mt != mct:
+            raise bad("max_tokens and max_completion_tokens differ; give one", param="max_completion_tokens")
+        if mct is not None or mt is not None:
+            params["max_tokens"] = mct if mct is not None else mt
+        for key in ("temperature", "top_p", "seed", "stop", "cache"):
+            if body.get(key) is not None:
+                params[key] = body[key]
+        id, keyed = api.request_id(req)
+        chat = api.to_chat(id, messages, params)
+        await api.submit(caller, chat, kind="chat", extra={"model": model})
+        cid = f"chatcmpl-{id}"
+        created = int(time.time())
+        if stream:
+            return HttpResponse(
+                200,
+                list(SSE_HEADERS),
+                stream=self._stream(caller, id, keyed, cid, created, model, include_usage),
+            )
+        return await self._wait(caller, id, keyed, cid, created, model)
+
+    async def _wait(
+        self, caller: Caller, id: str, keyed: bool, cid: str, created: int, model: str
+    ) -> HttpResponse:
+        text: list[str] = []
+        end: LogEntry | None = None
+        try:
+            async for batch in self.api.follow(caller.owner, id):
+                text.extend(e.text for e in batch if e.finish is None)
+                if batch[-1].finish is not None:
+                    end = batch[-1]
+        except asyncio.CancelledError:
+            if not keyed:  # nothing can ever re-attach to it: stop generating
+                await self.api.cancel_quietly(caller.owner, id)
+            raise
+        assert end is not None
+        if end.finish not in ("stop", "length"):
+            raise entry_error(end)
+        return json_response(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "".join(text)},
+                        "finish_reason": end.finish,
+                        "logprobs": None,
+                    }
+                ],
+                "usage": usage(end.prompt_tokens, end.offset),
+            }
+        )
+
+    async def _stream(
+        self, caller: Caller, id: str, keyed: bool, cid: str, created: int, model: str, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            obj: dict[str, Any] = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+            }
+            if include_usage:
+                obj["usage"] = None
+            return sse(obj)
+
+        ended = False
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            try:
+                async for batch in self.api.follow(caller.owner, id):
+                    text = "".join(e.text for e in batch if e.finish is None)
+                    if text:
+                        yield chunk({"content": text})
+                    end = batch[-1]
+                    if end.finish is None:
+                        continue
+                    ended = True
+                    if end.finish in ("stop", "length"):
+                        yield chunk({}, end.finish)
+                        if include_usage:
+                            yield sse(
+                                {
+                                    "id": cid,
+                                    "object": "chat.completion.chunk",
+                                    "created": created,
+                                    "model": model,
+                                    "choices": [],
+                                    "usage": usage(end.prompt_tokens, end.offset),
+                                }
+                            )
+                    else:
+                        yield sse(entry_error(end).body())
+            except ApiError as exc:
+                ended = True
+                yield sse(exc.body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not ended and not keyed:
+                await self.api.cancel_quietly(caller.owner, id)

@@ -68,6 +68,10 @@ def exit_status(report: dict[str, Any]) -> int:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if getattr(args, "scenario", None):
+        from server.load.noisy import run_scenario
+
+        return run_scenario(args)
     try:
         cfg = config_from_args(args)
     except ValueError as exc:

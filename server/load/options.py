@@ -235,6 +235,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the model name written in the SSE comparison chunks",
     )
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    from server.load.noisy import add_scenario_arguments
+
+    add_scenario_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:

@@ -252,7 +252,10 @@ def run_scenario(args: argparse.Namespace) -> int:
             cmd += ["--auth-secret", secret, "--scheduling", scheduling]
             cmd += ["--model", args.model] if args.model else []
             with Server(cmd, "tokenwire ready") as s:
-                report[name] = asyncio.run(run_phase(s.urls[0], secret, args, heavy))
+                report[name] = {
+                    "scheduling": scheduling,
+                    **asyncio.run(run_phase(s.urls[0], secret, args, heavy)),
+                }
             print(f"{name}: {json.dumps(report[name])}", flush=True)
     alone, fifo, fair = report["alone"], report["fifo"], report["fair"]
 

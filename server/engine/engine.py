@@ -125,6 +125,7 @@ class BatchingEngine(ThreadedEngine):
             eos_ids=self.m.eos_ids,
             prefix_reuse=c.prefix_reuse,
             fair=c.fair,
+            borrow_rows=max(1, c.max_running // 8),  # a light user's chat runs at once, the batch 1/8 over
         )
         return Scheduler(cfg, self.m.decode)
 

@@ -101,6 +101,7 @@ class SchedulerConfig:
     eos_ids: frozenset[int] = frozenset()
     prefix_reuse: bool = True
     fair: bool = True  # token-weighted fair queueing across users; False: strict arrival order (FIFO)
+    borrow_rows: int = 4  # fair share: rows past max_running a user under their share may take at once
 
 
 class Scheduler:
@@ -121,7 +122,7 @@ class Scheduler:
         self._arrivals = 0
         self._admit_times: deque[float] = deque(maxlen=64)
         self.preemptions = 0
-        self.fair_preemptions = 0  # of which to give a user under their fair share of the batch a row
+        self.borrowed = 0  # admissions past max_running, for a user under their fair share of the batch
         self.service = ServiceCounters()
         self._rows: dict[str, int] = {}  # user -> running sequences
         self._queued: dict[str, int] = {}  # user -> waiting sequences
@@ -206,8 +207,6 @@ class Scheduler:
         """Choose this step's work: every running sequence's next token or chunk, then admissions."""
         work: list[Work] = []
         budget = self.cfg.prefill_tokens
-        if self.cfg.fair:
-            self._fair_preempt()
         for seq in list(self.running):
             if seq.state is not State.RUNNING:
                 continue  # preempted by an older sequence earlier in this loop
@@ -220,11 +219,16 @@ class Scheduler:
             if remaining > 1:
                 budget -= n
             work.append(Work(seq, seq.kv_len, n, seq.kv_len + n == len(seq.tokens)))
-        # Fair share may preempt a sequence older than the one that needed room, after its work was chosen.
+        # Memory preemption in fair order may take a sequence older than the one that needed room, after
+        # its work was chosen: drop that work.
         work = [w for w in work if w.seq.state is State.RUNNING]
         admitted: list[Seq] = []
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+        while self.waiting and budget > 0:
             seq = self._head()
+            if len(self.running) >= self.cfg.max_running:
+                if not self._may_borrow(seq.user):
+                    break
+                self.borrowed += 1
             if not self._admit(seq):
                 break  # nobody overtakes the head of the queue (its user's turn, or the oldest)
             self._dequeue(seq)
@@ -419,31 +423,20 @@ class Scheduler:
             heads.values(), key=lambda s: (self.service.counter(s.user), self._share(s.user), s.arrival)
         )
 
-    def _fair_preempt(self) -> None:
-        """The batch is full and the next user in fair order holds a smaller weighted share of it than
-        another user would after giving one row up: preempt that other user's cheapest sequence to
-        recompute (at most one a step). The shares then move towards equal and never swing back, so two
-        users never take rows from each other in turn."""
-        if not self.waiting or len(self.running) < self.cfg.max_running:
-            return
-        head = self._head()
-        u = head.user
-        need = (self._rows.get(u, 0) + 1) / self.service.weight(u)
-        best: str | None = None
-        for v, rows in self._rows.items():
-            if v == u or rows == 0 or need > (rows - 1) / self.service.weight(v):
-                continue
-            if best is None or (self._share(v), self.service.counter(v)) > (
-                self._share(best),
-                self.service.counter(best),
-            ):
-                best = v
-        if best is None:
-            return
-        # The least to recompute: usually the newest, still in its first tokens.
-        victim = min((s for s in self.running if s.user == best), key=lambda s: (len(s.tokens), -s.arrival))
-        self._preempt(victim)
-        self.fair_preemptions += 1
+    def _may_borrow(self, user: str) -> bool:
+        """May ``user``, next in fair order, run past ``max_running`` (a full batch)? Only while it holds a
+        smaller weighted share of the batch than another user would after giving one row up, and only up
+        to ``borrow_rows`` past the limit. Nobody else is admitted until the batch is back under the
+        limit, so the over-share user pays the rows back as its sequences end: a light user's chat gets a
+        row in the next step, without waiting for a heavy user's long stream to end and without
+        preempting (and recomputing) anything. The condition cannot hold both ways, so two users never
+        take rows from each other in turn."""
+        if not self.cfg.fair or len(self.running) >= self.cfg.max_running + self.cfg.borrow_rows:
+            return False
+        need = (self._rows.get(user, 0) + 1) / self.service.weight(user)
+        return any(
+            v != user and need <= (rows - 1) / self.service.weight(v) for v, rows in self._rows.items()
+        )
 
 
 def _dec(counts: dict[str, int], user: str) -> None:

@@ -31,6 +31,7 @@ class ServiceCounters:
         self.counters: dict[str, float] = {}
         self.weights: dict[str, float] = {}
         self.vtime = 0.0  # the last lift level: where a user joining an idle engine starts
+        self.prune_at = PRUNE_AT  # sweep idle users when there are more counters than this
 
     def counter(self, user: str) -> float:
         return self.counters.get(user, 0.0)
@@ -63,8 +64,10 @@ class ServiceCounters:
     def forget_idle(self, active: set[str]) -> None:
         """Bound memory: drop idle users whose counter is at or below the lift level (the lift would
         give it back to them anyway, so forgetting them changes nothing)."""
-        if len(self.counters) <= PRUNE_AT:
+        if len(self.counters) <= self.prune_at:
             return
         for u in [u for u, c in self.counters.items() if u not in active and c <= self.vtime]:
             del self.counters[u]
             self.weights.pop(u, None)
+        # Those left are active or ahead of the lift level: sweep again only after as many more arrive.
+        self.prune_at = max(PRUNE_AT, 2 * len(self.counters))

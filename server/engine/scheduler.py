@@ -25,7 +25,7 @@ from enum import Enum
 
 from server.engine.api import SamplingParams, StepOutput
 from server.engine.detok import Detokenizer
-from server.engine.fairness import PRUNE_AT, ServiceCounters
+from server.engine.fairness import ServiceCounters
 from server.engine.kv_cache import CachedPrefix, Op, SlotRef, SlotTable
 
 
@@ -225,12 +225,12 @@ class Scheduler:
         admitted: list[Seq] = []
         while self.waiting and budget > 0:
             seq = self._head()
-            if len(self.running) >= self.cfg.max_running:
-                if not self._may_borrow(seq.user):
-                    break
-                self.borrowed += 1
+            borrow = len(self.running) >= self.cfg.max_running
+            if borrow and not self._may_borrow(seq.user):
+                break
             if not self._admit(seq):
                 break  # nobody overtakes the head of the queue (its user's turn, or the oldest)
+            self.borrowed += borrow
             self._dequeue(seq)
             self._insert_running(seq)
             seq.state = State.RUNNING
@@ -397,7 +397,7 @@ class Scheduler:
         self._forget_idle()
 
     def _forget_idle(self) -> None:
-        if len(self.service.counters) > PRUNE_AT:
+        if len(self.service.counters) > self.service.prune_at:
             self.service.forget_idle(set(self._rows) | set(self._queued))
 
     # ---- fair share ----------------------------------------------------------------------------------

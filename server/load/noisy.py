@@ -9,6 +9,9 @@ subject however many connections it opens):
   (more than the engine runs at once), the server started with ``--scheduling fifo``;
 * ``fair``: the same with ``--scheduling fair``.
 
+With ``--rounds N`` the FIFO and fair phases run N times each in ABBA order (fifo, fair, fair, fifo, ...)
+and their samples are pooled: on a shared machine whose speed drifts, both see the same drift.
+
 After a warm-up (the heavy streams accepted and running), the light users chat for ``--duration``
 seconds. The report has, per phase, the light users' TTFT p50/p99 (a chat sent in the window that has no
 first token ``--grace`` seconds after the window counts with the time it waited so far), their tokens/s,
@@ -40,7 +43,18 @@ from server.load.report import percentile
 
 LIGHT_USERS = 4
 HEAVY_CONNECTIONS = 4
-PHASES = (("alone", "fair", False), ("fifo", "fifo", True), ("fair", "fair", True))
+SCHEDULING = {"alone": "fair", "fifo": "fifo", "fair": "fair"}
+
+
+def phase_order(rounds: int) -> list[str]:
+    """``alone``, then FIFO and fair share in ABBA order (fifo, fair, fair, fifo, ...), so that a drift in
+    the machine's speed over the run weighs on both alike."""
+    order = ["alone"]
+    for i in range(rounds):
+        order += ["fifo", "fair"] if i % 2 == 0 else ["fair", "fifo"]
+    return order
+
+
 TOPICS = ["the sea", "a lighthouse keeper", "trains", "a city at night", "bees", "the moon", "a library"]
 QUESTIONS = ["What is 2+2?", "Say hello.", "Name a colour.", "What day follows Monday?", "Capital of France?"]
 
@@ -136,7 +150,21 @@ async def one_chat(
             conn.queues.pop(rid, None)
 
 
-async def run_phase(url: str, secret: str, args: argparse.Namespace, heavy: bool) -> dict[str, Any]:
+@dataclass(slots=True)
+class PhaseRun:
+    """One phase's raw samples (pooled over rounds by ``summary``)."""
+
+    ttft: list[float]  # light chats of the window; those still without a token count their wait so far
+    censored: int
+    light_streams: list[float]
+    light_tokens: int
+    heavy_tokens: int
+    span: float
+    requests: dict[str, int]
+    errors: list[str]
+
+
+async def run_phase(url: str, secret: str, args: argparse.Namespace, heavy: bool) -> PhaseRun:
     rng = random.Random(args.seed)
     tally = Tally()
     stop = asyncio.Event()
@@ -200,27 +228,48 @@ async def run_phase(url: str, secret: str, args: argparse.Namespace, heavy: bool
             await c.close()
     # A light chat of the window still without a token: it waited at least this long.
     censored = [end - sent for sent in tally.light_waiting.values()]
-    ttft = tally.light_ttft + censored
     w0, w1 = window
-    span = w1 - w0
     in_win = [(n, light) for t, n, light in tally.tokens if w0 <= t < w1]
+    return PhaseRun(
+        ttft=tally.light_ttft + censored,
+        censored=len(censored),
+        light_streams=tally.light_streams,
+        light_tokens=sum(n for n, light in in_win if light),
+        heavy_tokens=sum(n for n, light in in_win if not light),
+        span=w1 - w0,
+        requests=dict(tally.requests),
+        errors=tally.errors,
+    )
+
+
+def summary(runs: list[PhaseRun], scheduling: str) -> dict[str, Any]:
+    """A phase's figures over its rounds: TTFT percentiles of every light chat pooled, tokens/s over the
+    rounds' windows together."""
 
     def ms(v: float | None) -> float | None:
         return None if v is None else round(v * 1000, 1)
 
+    ttft = [t for r in runs for t in r.ttft]
+    span = sum(r.span for r in runs)
+    light = sum(r.light_tokens for r in runs)
+    heavy = sum(r.heavy_tokens for r in runs)
+    errors = [e for r in runs for e in r.errors]
     return {
+        "scheduling": scheduling,
+        "rounds": len(runs),
         "light_ttft_p50_ms": ms(percentile(ttft, 50)),
         "light_ttft_p99_ms": ms(percentile(ttft, 99)),
         "light_ttft_max_ms": ms(max(ttft, default=None)),
         "light_chats": len(ttft),
-        "light_chats_without_first_token": len(censored),
-        "light_tok_s": round(sum(n for n, light in in_win if light) / span, 1),
-        "light_stream_tok_s_p50": round(percentile(tally.light_streams, 50) or 0.0, 1),
-        "tok_s": round(sum(n for n, _ in in_win) / span, 1),
-        "heavy_tok_s": round(sum(n for n, light in in_win if not light) / span, 1),
-        "requests_done": dict(tally.requests),
-        "errors": tally.errors[:10],
-        "error_count": len(tally.errors),
+        "light_chats_without_first_token": sum(r.censored for r in runs),
+        "light_tok_s": round(light / span, 1),
+        "light_stream_tok_s_p50": round(percentile([x for r in runs for x in r.light_streams], 50) or 0.0, 1),
+        "tok_s": round((light + heavy) / span, 1),
+        "tok_s_by_round": [round((r.light_tokens + r.heavy_tokens) / r.span, 1) for r in runs],
+        "heavy_tok_s": round(heavy / span, 1),
+        "requests_done": {k: sum(r.requests[k] for r in runs) for k in ("light", "heavy")},
+        "errors": errors[:10],
+        "error_count": len(errors),
         "window_s": round(span, 1),
     }
 
@@ -244,18 +293,19 @@ def run_scenario(args: argparse.Namespace) -> int:
             "duration_s": args.duration,
             "warmup_s": args.warmup,
             "model": args.model or "default",
+            "order": phase_order(args.rounds),
         },
     }
+    runs: dict[str, list[PhaseRun]] = {name: [] for name in SCHEDULING}
     with tempfile.TemporaryDirectory(prefix="tokenwire-noisy-") as tmp:
-        for name, scheduling, heavy in PHASES:
-            cmd = ["serve", "--port", "0", "--data-dir", str(Path(tmp) / name), "--log-level", "warning"]
-            cmd += ["--auth-secret", secret, "--scheduling", scheduling]
+        for i, name in enumerate(phase_order(args.rounds)):
+            scheduling = SCHEDULING[name]
+            cmd = ["serve", "--port", "0", "--data-dir", str(Path(tmp) / f"{i}-{name}"), "--log-level"]
+            cmd += ["warning", "--auth-secret", secret, "--scheduling", scheduling]
             cmd += ["--model", args.model] if args.model else []
             with Server(cmd, "tokenwire ready") as s:
-                report[name] = {
-                    "scheduling": scheduling,
-                    **asyncio.run(run_phase(s.urls[0], secret, args, heavy)),
-                }
+                runs[name].append(asyncio.run(run_phase(s.urls[0], secret, args, name != "alone")))
+            report[name] = summary(runs[name], scheduling)
             print(f"{name}: {json.dumps(report[name])}", flush=True)
     alone, fifo, fair = report["alone"], report["fifo"], report["fair"]
 
@@ -286,3 +336,9 @@ def add_scenario_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--light-requests", type=int, default=200, help="at most this many chats per light user")
     g.add_argument("--warmup", type=float, default=10.0, help="seconds of heavy load before measuring (10)")
     g.add_argument("--grace", type=float, default=60.0, help="seconds to wait for the window's last chats")
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="FIFO and fair phases each this many times, in ABBA order, pooled (default 1)",
+    )

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from server.load.benchmarks import render_noisy
+
 
 def test_noisy_neighbour_runs_three_phases_and_writes_the_keys(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "noisy.json"
@@ -30,6 +32,9 @@ def test_noisy_neighbour_runs_three_phases_and_writes_the_keys(tiny_model_dir: P
     assert r["alone"]["heavy_tok_s"] == 0 and r["alone"]["requests_done"]["heavy"] == 0
     assert r["fifo"]["heavy_tok_s"] > 0 and r["fair"]["heavy_tok_s"] > 0
     assert set(r["ratios"]) == {"fair_p99_vs_alone", "fair_p99_vs_fifo", "fair_tok_s_vs_fifo"}
+    assert r["config"]["order"] == ["alone", "fifo", "fair"]
+    text = "\n".join(render_noisy(r))  # the BENCHMARKS.md section make bench writes from it
+    assert "| heavy user, fair |" in text and "target ≥ 0.95x" in text
 
 
 def test_noisy_neighbour_takes_no_url() -> None:

@@ -36,6 +36,7 @@ class ServeConfig:
     device: str | None = None
     dtype: str = "auto"
     threads: int | None = None  # torch CPU threads for the engine (None: torch's default)
+    scheduling: str = "fair"  # engine admission: "fair" (token-weighted fair queueing per user) or "fifo"
     session_secret: str | None = None
     max_running: int = 64
     drain_timeout_s: float = 10.0
@@ -121,14 +122,17 @@ def use_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def load_engine(model: str | None, *, device: str | None = None, dtype: str = "auto") -> tuple[Any, Any]:
+def load_engine(
+    model: str | None, *, device: str | None = None, dtype: str = "auto", scheduling: str = "fair"
+) -> tuple[Any, Any]:
     """Load the model and build its engine (the one place that picks the engine implementation):
     ``(loaded model, engine not yet started)``. Blocking: seconds."""
     from server.engine.engine import engine_for
     from server.engine.model import load_model
 
     loaded = load_model(model, device=device, dtype=dtype)
-    return loaded, engine_for(loaded)  # batching for Llama-family models, SimpleEngine for the rest
+    # Batching for Llama-family models, SimpleEngine for the rest.
+    return loaded, engine_for(loaded, fair=scheduling != "fifo")
 
 
 async def start_worker(
@@ -138,7 +142,7 @@ async def start_worker(
 
     use_threads(cfg.threads)
     loaded, engine = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: load_engine(cfg.model, device=cfg.device, dtype=cfg.dtype)
+        None, lambda: load_engine(cfg.model, device=cfg.device, dtype=cfg.dtype, scheduling=cfg.scheduling)
     )
     worker = Worker(h.store, engine, name=cfg.name, max_running=cfg.max_running)
     if on_model is not None:

@@ -53,6 +53,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         device=getattr(args, "device", None),
         dtype=getattr(args, "dtype", "auto"),
         threads=getattr(args, "threads", None),
+        scheduling=getattr(args, "scheduling", "fair"),
         drain_timeout_s=getattr(args, "drain_timeout", 10.0),
         session_secret=os.environ.get("TOKENWIRE_SESSION_SECRET") or None,
         name=getattr(args, "name", None),
@@ -219,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
         p.add_argument("--dtype", default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ...")
         p.add_argument("--threads", type=int, help="torch CPU threads for the engine (default: torch's)")
+        p.add_argument(
+            "--scheduling",
+            choices=("fair", "fifo"),
+            default="fair",
+            help="engine admission: fair (token-weighted fair queueing per user, the default) or fifo",
+        )
         p.add_argument(
             "--drain-timeout",
             type=float,

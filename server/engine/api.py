@@ -37,6 +37,8 @@ class GenerationRequest:
     prompt_ids: list[int] | None = None
     resume_ids: Sequence[int] = ()
     session: str = ""  # the chat session: an engine with prefix reuse keeps its KV between turns
+    user: str = ""  # whose request (the owner): the batching engine shares itself fairly among users
+    weight: float = 1.0  # the user's fair-share weight (JWT tier): 2 gets twice the service of 1
 
 
 @dataclass(frozen=True, slots=True)

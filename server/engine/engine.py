@@ -34,6 +34,7 @@ class EngineConfig:
     prefill_tokens: int
     max_waiting: int
     prefix_reuse: bool
+    fair: bool = True  # token-weighted fair queueing across users (False: FIFO)
 
 
 def engine_for(loaded: LoadedModel, **overrides: Any) -> Engine:
@@ -71,6 +72,7 @@ def default_config(
     prefill_tokens: int | None = None,
     max_waiting: int = 256,
     prefix_reuse: bool = True,
+    fair: bool = True,
 ) -> EngineConfig:
     """Sizes for this model and device; any argument given overrides its default."""
     cuda = str(loaded.device).startswith("cuda")
@@ -94,6 +96,7 @@ def default_config(
         prefill_tokens=prefill_tokens or (2048 if cuda else 256),
         max_waiting=max_waiting,
         prefix_reuse=prefix_reuse,
+        fair=fair,
     )
 
 
@@ -128,6 +131,8 @@ class BatchingEngine(ThreadedEngine):
             max_waiting=c.max_waiting,
             eos_ids=self.m.eos_ids,
             prefix_reuse=c.prefix_reuse,
+            fair=c.fair,
+            borrow_rows=max(1, c.max_running // 8),  # a light user's chat runs at once, the batch 1/8 over
         )
         return Scheduler(cfg, self.m.decode)
 
@@ -227,7 +232,15 @@ class BatchingEngine(ThreadedEngine):
             outs.append(StepOutput(req.key, start, 0, "", finish="length", prompt_tokens=len(ids)))
             return
         try:
-            self.sched.add(req.key, ids, req.params, resume_ids=req.resume_ids, session=req.session)
+            self.sched.add(
+                req.key,
+                ids,
+                req.params,
+                resume_ids=req.resume_ids,
+                session=req.session,
+                user=req.user,
+                weight=req.weight,
+            )
         except QueueFull as exc:  # submit() keeps the queue under its bound; a race may still land here
             outs.append(error_output(req.key, start, "overloaded", str(exc)))
             return

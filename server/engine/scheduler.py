@@ -1,7 +1,9 @@
 """Iteration-level scheduling: which sequences feed which tokens in the next step (pure Python, no torch).
 
 Every step, running sequences feed their next token (decode) or their next prompt chunk (prefill), and
-waiting sequences are admitted in arrival order while a slot and the step's prefill budget allow.
+waiting sequences are admitted while a slot and the step's prefill budget allow: by token-weighted fair
+queueing across users (``fairness.py``: the waiting user with the least service goes first), or in
+plain arrival order with ``fair=False``.
 ``schedule`` returns the step's work, the runner computes it, ``postprocess`` takes the sampled tokens
 and turns them into outputs: the engine loop is those three calls.
 
@@ -23,6 +25,7 @@ from enum import Enum
 
 from server.engine.api import SamplingParams, StepOutput
 from server.engine.detok import Detokenizer
+from server.engine.fairness import ServiceCounters
 from server.engine.kv_cache import CachedPrefix, Op, SlotRef, SlotTable
 
 
@@ -49,6 +52,7 @@ class Seq:
     detok: Detokenizer
     arrival: int  # admission order: lower goes first
     session: str = ""
+    user: str = ""  # whose request: fair share is per user
     offset: int = 0  # completion tokens already emitted (resumed ones included)
     state: State = State.WAITING
     slot: SlotRef | None = None
@@ -96,6 +100,8 @@ class SchedulerConfig:
     max_waiting: int = 256  # new requests waiting beyond this are refused (QueueFull)
     eos_ids: frozenset[int] = frozenset()
     prefix_reuse: bool = True
+    fair: bool = True  # token-weighted fair queueing across users; False: strict arrival order (FIFO)
+    borrow_rows: int = 4  # fair share: rows past max_running a user under their share may take at once
 
 
 class Scheduler:
@@ -116,6 +122,10 @@ class Scheduler:
         self._arrivals = 0
         self._admit_times: deque[float] = deque(maxlen=64)
         self.preemptions = 0
+        self.borrowed = 0  # admissions past max_running, for a user under their fair share of the batch
+        self.service = ServiceCounters()
+        self._rows: dict[str, int] = {}  # user -> running sequences
+        self._queued: dict[str, int] = {}  # user -> waiting sequences
         self.reused_tokens = 0  # prompt tokens not fed again thanks to session prefix reuse
 
     @property
@@ -139,8 +149,11 @@ class Scheduler:
         *,
         resume_ids: Sequence[int] = (),
         session: str = "",
+        user: str = "",
+        weight: float = 1.0,
     ) -> Seq:
-        """Queue a request (prompt already within budget). Raises QueueFull at the waiting bound."""
+        """Queue a request (prompt already within budget) for ``user`` (fair share: their ``weight``).
+        Raises QueueFull at the waiting bound."""
         if len(prompt_ids) + len(resume_ids) >= self.max_context:
             raise ValueError(f"{key}: {len(prompt_ids) + len(resume_ids)} tokens leave no room in any slot")
         if self.new_waiting() >= self.cfg.max_waiting:
@@ -155,10 +168,14 @@ class Scheduler:
             detok=detok,
             arrival=self._arrivals,
             session=session if self.cfg.prefix_reuse else "",
+            user=user,
             offset=len(resume_ids),
         )
         self._arrivals += 1
-        self.waiting.append(seq)
+        self.service.set_weight(user, weight)
+        if user not in self._queued:  # joins the queue: an idle period banks no credit
+            self.service.lift(user, self._queued, self._rows)
+        self._enqueue(seq, len(self.waiting))
         self.by_key[key] = seq
         return seq
 
@@ -168,9 +185,9 @@ class Scheduler:
         if seq is None:
             return None
         if seq.state is State.WAITING:
-            self.waiting.remove(seq)
+            self._dequeue(seq)
         elif seq.state is State.RUNNING:
-            self.running.remove(seq)
+            self._stop_running(seq)
             self.table.release(seq)
         seq.state = State.DONE
         return seq
@@ -202,18 +219,26 @@ class Scheduler:
             if remaining > 1:
                 budget -= n
             work.append(Work(seq, seq.kv_len, n, seq.kv_len + n == len(seq.tokens)))
+        # Memory preemption in fair order may take a sequence older than the one that needed room, after
+        # its work was chosen: drop that work.
+        work = [w for w in work if w.seq.state is State.RUNNING]
         admitted: list[Seq] = []
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
-            seq = self.waiting[0]
+        while self.waiting and budget > 0:
+            seq = self._head()
+            borrow = len(self.running) >= self.cfg.max_running
+            if borrow and not self._may_borrow(seq.user):
+                break
             if not self._admit(seq):
-                break  # FIFO: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the head of the queue (its user's turn, or the oldest)
+            self.borrowed += borrow
+            self._dequeue(seq)
             self._insert_running(seq)
             seq.state = State.RUNNING
             if not seq.admitted:
                 seq.admitted = True
                 admitted.append(seq)
                 self._admit_times.append(self.clock())
+                self.service.charge_input(seq.user, len(seq.tokens) - seq.kv_len)
             remaining = len(seq.tokens) - seq.kv_len
             n = min(remaining, budget)
             budget -= n
@@ -235,6 +260,7 @@ class Scheduler:
             if seq.state is not State.RUNNING:
                 continue
             seq.tokens.append(token)
+            self.service.charge_output(seq.user)
             out = self._emit(seq, token)
             if out is None:
                 continue
@@ -277,7 +303,7 @@ class Scheduler:
         )
 
     def _finish(self, seq: Seq) -> None:
-        self.running.remove(seq)
+        self._stop_running(seq)
         self.by_key.pop(seq.key, None)
         seq.state = State.DONE
         keep = None
@@ -322,18 +348,21 @@ class Scheduler:
             victims = [
                 s
                 for s in self.running
-                if s is not seq and s.slot is not None and s.slot[0] >= first and s.arrival > seq.arrival
+                if s is not seq
+                and s.slot is not None
+                and s.slot[0] >= first
+                and self._order(s) > self._order(seq)
             ]
             if not victims:
                 self._preempt(seq)
                 return False
-            self._preempt(max(victims, key=lambda s: s.arrival))
+            self._preempt(max(victims, key=self._order))
         return True
 
     def _preempt(self, seq: Seq) -> None:
         """Free ``seq``'s KV and queue it again ahead of every newer request: it will feed its tokens
         again (recompute) and carry on from the same offset."""
-        self.running.remove(seq)
+        self._stop_running(seq)
         self.table.release(seq)
         seq.kv_len = 0
         seq.state = State.WAITING
@@ -342,7 +371,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
             i += 1
-        self.waiting.insert(i, seq)
+        self._enqueue(seq, i)  # no lift: being preempted is not arriving
 
     def _insert_running(self, seq: Seq) -> None:
         # Arrival order, so older sequences are served (and kept) first; a re-admitted preempted one
@@ -351,6 +380,71 @@ class Scheduler:
         while i > 0 and self.running[i - 1].arrival > seq.arrival:
             i -= 1
         self.running.insert(i, seq)
+        self._rows[seq.user] = self._rows.get(seq.user, 0) + 1
+
+    def _stop_running(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        _dec(self._rows, seq.user)
+        self._forget_idle()
+
+    def _enqueue(self, seq: Seq, index: int) -> None:
+        self.waiting.insert(index, seq)
+        self._queued[seq.user] = self._queued.get(seq.user, 0) + 1
+
+    def _dequeue(self, seq: Seq) -> None:
+        self.waiting.remove(seq)
+        _dec(self._queued, seq.user)
+        self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        if len(self.service.counters) > self.service.prune_at:
+            self.service.forget_idle(set(self._rows) | set(self._queued))
+
+    # ---- fair share ----------------------------------------------------------------------------------
+
+    def _order(self, seq: Seq) -> tuple[float, int]:
+        """Preemption order: the most served user's newest sequence goes first (FIFO: the newest)."""
+        if not self.cfg.fair:
+            return (0.0, seq.arrival)
+        return (self.service.counter(seq.user), seq.arrival)
+
+    def _share(self, user: str) -> float:
+        return self._rows.get(user, 0) / self.service.weight(user)
+
+    def _head(self) -> Seq:
+        """Who is admitted next. FIFO: the oldest. Fair: the oldest request of the waiting user with the
+        least service (ties: the one holding the smaller weighted share of the batch, then the oldest)."""
+        if not self.cfg.fair:
+            return self.waiting[0]
+        heads: dict[str, Seq] = {}
+        for s in self.waiting:
+            heads.setdefault(s.user, s)
+        return min(
+            heads.values(), key=lambda s: (self.service.counter(s.user), self._share(s.user), s.arrival)
+        )
+
+    def _may_borrow(self, user: str) -> bool:
+        """May ``user``, next in fair order, run past ``max_running`` (a full batch)? Only while it holds a
+        smaller weighted share of the batch than another user would after giving one row up, and only up
+        to ``borrow_rows`` past the limit. Nobody else is admitted until the batch is back under the
+        limit, so the over-share user pays the rows back as its sequences end: a light user's chat gets a
+        row in the next step, without waiting for a heavy user's long stream to end and without
+        preempting (and recomputing) anything. The condition cannot hold both ways, so two users never
+        take rows from each other in turn."""
+        if not self.cfg.fair or len(self.running) >= self.cfg.max_running + self.cfg.borrow_rows:
+            return False
+        need = (self._rows.get(user, 0) + 1) / self.service.weight(user)
+        return any(
+            v != user and need <= (rows - 1) / self.service.weight(v) for v, rows in self._rows.items()
+        )
+
+
+def _dec(counts: dict[str, int], user: str) -> None:
+    n = counts[user] - 1
+    if n:
+        counts[user] = n
+    else:
+        del counts[user]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:

@@ -6,11 +6,33 @@ import jwt
 
 from protocol import ErrorCode, ProtocolError
 
+# The optional JWT claim ``tier`` weights a user's fair share of the engine: a user of weight 2 gets twice
+# the tokens of a user of weight 1 while both have work waiting. A number is the weight itself (0.1-100);
+# a name maps through this table; anything else weighs 1. Documented in protocol/SPEC.md (Authentication).
+TIER_WEIGHTS = {"free": 1.0, "standard": 1.0, "plus": 2.0, "pro": 4.0, "enterprise": 8.0}
+
+
+def tier_weight(tier: object) -> float:
+    """The fair-share weight for a JWT ``tier`` claim (1.0 when absent or not understood)."""
+    if isinstance(tier, bool):
+        return 1.0
+    if isinstance(tier, int | float):
+        return float(tier) if 0.1 <= tier <= 100 else 1.0
+    if isinstance(tier, str):
+        return TIER_WEIGHTS.get(tier.lower(), 1.0)
+    return 1.0
+
 
 def authenticate(token: str | None, secret: str | None) -> str | None:
     """The user id, or None for anonymous use when auth is off. Raises ProtocolError(unauthorized)."""
+    return authenticate_user(token, secret)[0]
+
+
+def authenticate_user(token: str | None, secret: str | None) -> tuple[str | None, float]:
+    """``(user id, fair-share weight)``; ``(None, 1.0)`` for anonymous use when auth is off. Raises
+    ProtocolError(unauthorized)."""
     if secret is None:
-        return None
+        return None, 1.0
     if not token:
         raise ProtocolError(ErrorCode.UNAUTHORIZED, "hello.token: a JWT is required on this server")
     try:
@@ -22,4 +44,4 @@ def authenticate(token: str | None, secret: str | None) -> str | None:
     sub = claims["sub"]
     if not isinstance(sub, str) or not sub:
         raise ProtocolError(ErrorCode.UNAUTHORIZED, "hello.token: sub must be a non-empty string")
-    return sub
+    return sub, tier_weight(claims.get("tier"))

@@ -12,7 +12,7 @@ import hashlib
 import json
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from websockets.asyncio.server import ServerConnection as WebSocket
@@ -40,7 +40,7 @@ from protocol import (
 )
 from protocol.connection import ServerConnection
 from server import metrics
-from server.gateway.auth import authenticate
+from server.gateway.auth import authenticate_user
 from server.gateway.limits import TokenBucket, limited
 from server.store.logs import LogEntry
 from server.store.requests import FINAL_STATES
@@ -99,6 +99,7 @@ class Connection:
         self.user: str | None = None
         self.session = ""
         self.owner = ""
+        self.weight = 1.0  # fair-share weight from the JWT tier claim
         self._attached: dict[str, asyncio.Task[None]] = {}
         self._waiting: set[asyncio.Task[None]] = set()  # content turns waiting for the previous turn
         self._turn_chain: asyncio.Task[None] | None = None  # the last of them
@@ -218,7 +219,7 @@ class Connection:
 
     async def _hello(self, hello: Hello) -> None:
         try:
-            self.user = authenticate(hello.token, self.gw.settings.auth_secret)
+            self.user, self.weight = authenticate_user(hello.token, self.gw.settings.auth_secret)
         except ProtocolError as exc:
             self.proto.fail(exc, CloseCode.POLICY_VIOLATION)
             return
@@ -299,13 +300,15 @@ class Connection:
             messages = [m.to_wire() for m in chat.messages or ()]
         if await self.gw.degraded():
             messages, params = degrade(messages, params, settings)
-        payload = {
+        payload: dict[str, Any] = {
             "owner": self.owner,
             "id": chat.id,
             "session": self.session,
             "messages": messages,
             "params": params,
         }
+        if self.weight != 1.0:
+            payload["weight"] = self.weight  # the worker's engine shares itself by weighted service
         cache_key = (
             response_cache_key(messages, params, chat.params) if self.gw.settings.response_cache else ""
         )

@@ -26,7 +26,7 @@ from websockets.http11 import Request, Response
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
 from server import metrics
-from server.gateway.auth import authenticate
+from server.gateway.auth import authenticate_user
 from server.gateway.connection import degrade, response_cache_key
 from server.gateway.front_door import is_http_api
 from server.gateway.http_conn import HttpConnection, HttpRequest, HttpResponse
@@ -127,6 +127,7 @@ class Caller:
 
     owner: str
     user: str | None
+    weight: float = 1.0  # fair-share weight from the JWT tier claim, as on the WebSocket
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,13 +228,13 @@ class HttpApi:
         bearer = token.strip() if scheme.lower() == "bearer" else ""
         if self.gw.settings.auth_secret is not None:
             try:
-                user = authenticate(bearer or None, self.gw.settings.auth_secret)
+                user, weight = authenticate_user(bearer or None, self.gw.settings.auth_secret)
             except ProtocolError as exc:
                 raise ApiError(
                     401, exc.message.replace("hello.token", "Authorization"), code="invalid_api_key"
                 ) from None
             assert user is not None
-            return Caller(owner=user, user=user)
+            return Caller(owner=user, user=user, weight=weight)
         if not bearer:
             return Caller(owner="http:anonymous", user=None)
         return Caller(owner="http:" + hashlib.sha256(bearer.encode()).hexdigest()[:32], user=None)
@@ -318,6 +319,8 @@ class HttpApi:
             "created": int(time.time()),
             **extra,
         }
+        if caller.weight != 1.0:
+            payload["weight"] = caller.weight  # the worker's engine shares itself by weighted service
         cache_key = response_cache_key(messages, params, chat.params) if st.response_cache else ""
         res = await gw.store.submit(
             caller.owner,

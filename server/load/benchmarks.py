@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
 
     results["soak"] = _soak(work, SOAK_REQUESTS // 10 if args.quick else SOAK_REQUESTS)
+    # Fair share: light users alone, then next to a heavy user under FIFO and under fair share; the
+    # scenario starts its own `tokenwire serve` for each phase.
+    results["noisy"] = _load("", work / "noisy.json", "--scenario", "noisy-neighbour",
+                             *(["--duration", "20"] if args.quick else ["--rounds", "2"]))  # fmt: skip
 
     (work / "all.json").write_text(json.dumps(results, indent=2))
     args.out.write_text(render(results, quick=args.quick))
@@ -494,6 +498,7 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
     ]
     if "soak" in r:
         lines += _render_soak(r["soak"])
+    lines += render_noisy(r.get("noisy"))
     user_counts = sorted(int(k.rsplit("users", 1)[1]) for k in r if k.startswith("workers1_users"))
     lines += [
         "",
@@ -530,6 +535,49 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def render_noisy(n: dict[str, Any] | None) -> list[str]:
+    """The fair-share section: light users' latency alone, under FIFO and under fair share."""
+    if not n:
+        return []
+    c, ratios = n["config"], n["ratios"]
+    lines = [
+        "",
+        "## Fair share: one heavy user and 4 light ones (`tokenwire load --scenario noisy-neighbour`)",
+        "",
+        f"The heavy user keeps {c['heavy_streams']} streams of up to {c['heavy_max_tokens']} tokens in flight"
+        " (the engine runs 32 at once on CPU); 4 light users each send one chat of up to"
+        f" {c['light_max_tokens']} tokens at a time, for {c['duration_s']:.0f} s after a"
+        f" {c['warmup_s']:.0f} s warm-up. Each phase runs against its own `tokenwire serve`, in the order"
+        f" {', '.join(c['order'])} (FIFO and fair alternate so that both see the machine's drift; their"
+        " samples are pooled).",
+        "",
+        "| phase | light TTFT p50 ms | light TTFT p99 ms | light chats (no token yet) | light tok/s |"
+        " total tok/s (by round) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, label in (
+        ("alone", "light users alone"),
+        ("fifo", "heavy user, FIFO"),
+        ("fair", "heavy user, fair"),
+    ):
+        x = n[name]
+        lines.append(
+            f"| {label} | {_f(x['light_ttft_p50_ms'], 0)} | {_f(x['light_ttft_p99_ms'], 0)} | "
+            f"{x['light_chats']} ({x['light_chats_without_first_token']}) | {_f(x['light_tok_s'])} | "
+            f"{_f(x['tok_s'])} ({', '.join(_f(v) for v in x.get('tok_s_by_round', []))}) |"
+        )
+    lines += [
+        "",
+        f"Light TTFT p99, fair / alone: **{_f(ratios['fair_p99_vs_alone'], 2)}x** (target ≤ 2x); fair / FIFO:"
+        f" **{_f(ratios['fair_p99_vs_fifo'], 2)}x** (target ≤ 0.5x). Total throughput, fair / FIFO:"
+        f" **{_f(ratios['fair_tok_s_vs_fifo'], 2)}x** (target ≥ 0.95x).",
+        "",
+        "A light chat sent in the window that had no first token when the phase ended (the window plus a"
+        " grace period) counts with the time it had waited: its real TTFT is longer.",
+    ]
+    return lines
 
 
 if __name__ == "__main__":

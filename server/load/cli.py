@@ -89,8 +89,13 @@ def run_soak_from_args(args: argparse.Namespace) -> int:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    if getattr(args, "scenario", "chat") == "soak":
+    # Scenarios with their own shape of run (hostile-prompt goes through the normal config below).
+    if args.scenario == "soak":
         return run_soak_from_args(args)
+    if args.scenario == "noisy-neighbour":
+        from server.load.noisy import run_scenario
+
+        return run_scenario(args)
     try:
         cfg = config_from_args(args)
     except ValueError as exc:

@@ -210,9 +210,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--token", help="JWT for servers with auth on")
     w.add_argument(
         "--scenario",
-        choices=SCENARIOS,
+        choices=(*SCENARIOS, "soak", "noisy-neighbour"),
         default="normal",
-        help="hostile-prompt: the workload alone, then again while one client sends ~1 MiB 64-message chats",
+        help="normal: the workload above; hostile-prompt: the workload alone, then again while one client "
+        "sends ~1 MiB 64-message chats; soak: --requests short chats (default 10000), then wait out "
+        "--retention and report the store's memory at start, peak and end (needs --redis-url); "
+        "noisy-neighbour: light users alone, then beside a heavy user under FIFO and fair share (starts its "
+        "own servers: no URL)",
     )
     b = p.add_argument_group("bounds (default: --duration 30)")
     b.add_argument("--duration", type=float, help="issue no new request after this many seconds")
@@ -245,13 +249,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     k = p.add_argument_group("soak (--scenario soak: does the store's memory come back after retention?)")
     k.add_argument(
-        "--scenario",
-        choices=("chat", "soak"),
-        default="chat",
-        help="chat: the workload above (default); soak: --requests short chats (default 10000), then wait "
-        "out --retention and report the store's memory at start, peak and end (needs --redis-url)",
-    )
-    k.add_argument(
         "--redis-url", help="soak: the server's Redis (give it one of its own: used_memory is global)"
     )
     k.add_argument("--key-prefix", default="tw:", help="soak: the server's --key-prefix (default tw:)")
@@ -273,6 +270,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the model name written in the SSE comparison chunks",
     )
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    from server.load.noisy import add_scenario_arguments
+
+    add_scenario_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:

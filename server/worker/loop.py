@@ -52,6 +52,11 @@ def params_from_payload(p: dict[str, object]) -> SamplingParams:
     )
 
 
+def _weight(v: object) -> float:
+    """The owner's fair-share weight from the payload (the gateway sets it from the JWT tier)."""
+    return float(v) if isinstance(v, int | float) and 0 < v <= 1000 else 1.0
+
+
 @dataclass(slots=True)
 class _Timing:
     started: float  # monotonic, when this worker started the request
@@ -235,6 +240,8 @@ class Worker:
             params=params_from_payload(p.get("params") or {}),
             resume_ids=resume,
             session=p.get("session") or "",
+            user=str(p.get("owner") or ""),
+            weight=_weight(p.get("weight")),
         )
         task = asyncio.create_task(self._prepare_and_submit(request), name=f"prepare-{key}")
         self._preparing.add(task)

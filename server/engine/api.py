@@ -9,6 +9,7 @@ from typing import Protocol
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 0.2  # SmolLM2's model card recommends 0.2 / top_p 0.9 for chat
 DEFAULT_TOP_P = 0.9
+DEFAULT_REPETITION_PENALTY = 1.0  # off unless a request (or the server's defaults) asks for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,9 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int = 0
     stop: tuple[str, ...] = ()
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY  # 1.0: off (penalties.py)
+    frequency_penalty: float = 0.0  # 0: off
+    presence_penalty: float = 0.0  # 0: off
     ignore_eos: bool = False  # benchmarks only: every request does its full max_tokens
 
 

@@ -12,6 +12,7 @@ import torch
 
 from server.engine import llama
 from server.engine.kv_cache import Move, Op, Swap
+from server.engine.penalties import apply_penalties
 from server.engine.sampling import sample
 from server.engine.scheduler import Batch, Work
 
@@ -72,7 +73,9 @@ class Runner:
             return []
         params = [w.seq.params for w in sampled]
         offsets = [w.seq.completion_len for w in sampled]  # completion index of the token being drawn
-        return sample(logits.cpu(), params, offsets)
+        seqs = [w.seq for w in sampled]
+        logits = apply_penalties(logits.cpu(), params, [s.tokens for s in seqs], [s.n_prompt for s in seqs])
+        return sample(logits, params, offsets)
 
     def layout(self, work: Sequence[Work]) -> llama.StepLayout:
         """Token order: decode rows pool by pool in slot order, then prefill chunks."""

@@ -79,6 +79,8 @@ class Gateway:
         self._queued = (0.0, 0)  # (monotonic time read, requests queued) — read at most once a second
         self._server: Server | None = None
         self._touch_task: asyncio.Task[None] | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.store_reachable = True  # the store answered its last ping (/readyz fails while it does not)
 
     def attach(self, req_key: str) -> None:
         self._attached[req_key] = self._attached.get(req_key, 0) + 1
@@ -104,6 +106,24 @@ class Gateway:
                 raise
             except Exception as exc:
                 log.warning("gateway.touch_failed", error=str(exc))
+
+    async def _health_loop(self, period_s: float = 1.0) -> None:
+        """Ping the store every ``period_s``: a gateway that cannot reach it must leave the load balancer
+        (/readyz 503) until it can again."""
+        while True:
+            try:
+                await asyncio.wait_for(self.store.ping(), period_s * 2)
+                reachable = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                reachable = False
+                if self.store_reachable:
+                    log.warning("gateway.store_unreachable", error=str(exc) or type(exc).__name__)
+            if reachable and not self.store_reachable:
+                log.info("gateway.store_reachable")
+            self.store_reachable = reachable
+            await asyncio.sleep(period_s)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_ewma_s = seconds if not self.ttft_ewma_s else 0.8 * self.ttft_ewma_s + 0.2 * seconds
@@ -138,6 +158,8 @@ class Gateway:
             headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body)))])
             return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, body)
         if path == "/readyz":
+            if not self.store_reachable:
+                return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "store unreachable\n")
             if self.ready():
                 return conn.respond(HTTPStatus.OK, "ready\n")
             return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "model loading\n")
@@ -150,9 +172,8 @@ class Gateway:
         return None
 
     async def start(self) -> int:
-        """Listen; returns the bound port (useful with port 0)."""
-        self.reader.start()
-        self._touch_task = asyncio.create_task(self._touch_loop(), name="gateway-touch")
+        """Listen; returns the bound port (useful with port 0). Binds before starting anything else, so a
+        port in use raises OSError and leaves nothing running."""
         self._server = await serve(
             lambda ws: handle(self, ws),
             self.settings.host,
@@ -166,6 +187,9 @@ class Gateway:
             ping_timeout=self.settings.ping_interval_s,
             compression=None,  # per-message deflate costs CPU and memory per socket for ~20-byte frames
         )
+        self.reader.start()
+        self._touch_task = asyncio.create_task(self._touch_loop(), name="gateway-touch")
+        self._health_task = asyncio.create_task(self._health_loop(), name="gateway-store-health")
         sock = next(iter(self._server.sockets))
         port: int = sock.getsockname()[1]
         log.info("gateway.listening", url=f"ws://{self.settings.host}:{port}{WS_PATH}")
@@ -180,5 +204,5 @@ class Gateway:
                 return_exceptions=True,
             )
             await self._server.wait_closed()
-        await cancel_and_wait([self._touch_task])
+        await cancel_and_wait([self._touch_task, self._health_task])
         await self.reader.stop()

@@ -375,6 +375,10 @@ class RequestStore:
             )
         )
 
+    async def ping(self) -> None:
+        """Raise unless the store answers (a round trip; readiness probes call it)."""
+        await self.r.ping()
+
     async def queued(self) -> int:
         """Requests waiting in the queue (all workers)."""
         return int(await self.r.get(self.keys.queued_count) or 0)

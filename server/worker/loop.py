@@ -21,6 +21,7 @@ from server import metrics
 from server.aio import cancel_and_wait
 from server.engine.api import (
     DEFAULT_MAX_TOKENS,
+    DEFAULT_REPETITION_PENALTY,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     Engine,
@@ -47,6 +48,9 @@ def params_from_payload(p: dict[str, object]) -> SamplingParams:
         top_k=int(get("top_k", 0)),  # type: ignore[call-overload]
         seed=int(get("seed", 0)),  # type: ignore[call-overload]
         stop=tuple(stop),  # type: ignore[arg-type]
+        repetition_penalty=float(get("repetition_penalty", DEFAULT_REPETITION_PENALTY)),  # type: ignore[arg-type]
+        frequency_penalty=float(get("frequency_penalty", 0.0)),  # type: ignore[arg-type]
+        presence_penalty=float(get("presence_penalty", 0.0)),  # type: ignore[arg-type]
     )
 
 

@@ -172,6 +172,7 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles) -> Any:
         None, lambda: load_engine(cfg.model, device=cfg.device, dtype=cfg.dtype)
     )
     worker = Worker(h.store, engine, name=cfg.name, max_running=cfg.max_running)
+    worker.model_name = loaded.name
     await worker.start()
     print(f"tokenwire ready: model {loaded.name} on {loaded.device} (worker {worker.name})", flush=True)
     return worker
@@ -193,6 +194,7 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
                 if worker_task.exception() is not None:
                     raise StartupError(f"cannot start the worker: {worker_task.exception()}")
                 state["worker"] = worker_task.result()
+                gateway.model_name = state["worker"].model_name
             await stop.wait()
         finally:
             log.info("serve.stopping")

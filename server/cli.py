@@ -45,6 +45,15 @@ def _port(value: str) -> int:
     return port
 
 
+def _ws_origin(value: str) -> str:
+    from server.gateway.ui_config import ws_origin
+
+    try:
+        return ws_origin(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _at_least_one(value: str) -> int:
     try:
         n = int(value)
@@ -71,6 +80,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             degrade_ttft_s=getattr(args, "degrade_ttft", 0.0),
             degrade_max_tokens=getattr(args, "degrade_max_tokens", 128),
             degrade_context_messages=getattr(args, "degrade_context_messages", 8),
+            ui_connect=tuple(getattr(args, "ui_connect", None) or ()),
         ),
         store=Settings(
             lease_ttl_ms=int(args.lease_ttl * 1000),
@@ -227,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
             "--no-response-cache",
             action="store_true",
             help="never answer repeated deterministic chats (temperature 0 or a fixed seed) from the cache",
+        )
+        p.add_argument(
+            "--ui-connect",
+            action="append",
+            type=_ws_origin,
+            metavar="ORIGIN",
+            help="a WebSocket origin (wss://host[:port]) the browser UI may connect to with ?ws= besides "
+            "this server (repeat; default: none). Listed in /config.json and the page's CSP",
         )
         p.add_argument(
             "--allowed-origin",

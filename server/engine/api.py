@@ -6,10 +6,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_TEMPERATURE = 0.2  # SmolLM2's model card recommends 0.2 / top_p 0.9 for chat
-DEFAULT_TOP_P = 0.9
-DEFAULT_REPETITION_PENALTY = 1.0  # off unless a request (or the server's defaults) asks for it
+from server.defaults import (  # one set of defaults for every door (server/defaults.py)
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_REPETITION_PENALTY,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+)
+
+__all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_REPETITION_PENALTY", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,8 +39,20 @@ def apply_penalties(
     if not rows:
         return logits
     vocab = logits.shape[-1]
-    for i in rows:
-        p = params[i]
+    with torch.inference_mode():  # the runner's logits are inference tensors: edit them in that mode
+        _penalise(logits, [params[i] for i in rows], rows, tokens, n_prompt, vocab)
+    return logits
+
+
+def _penalise(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    rows: Sequence[int],
+    tokens: Sequence[Sequence[int]],
+    n_prompt: Sequence[int],
+    vocab: int,
+) -> None:
+    for p, i in zip(params, rows, strict=True):
         row = logits[i]  # [V], a view: edits land in logits
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(tokens[i])), dtype=torch.long)
@@ -53,4 +65,3 @@ def apply_penalties(
             if completion.numel():
                 counts = torch.bincount(completion, minlength=vocab).to(row.dtype)  # [V]
                 row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
-    return logits

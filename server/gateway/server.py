@@ -19,9 +19,11 @@ from websockets.http11 import Request, Response
 from protocol import SUBPROTOCOLS, CloseCode, frames
 from server import metrics
 from server.aio import cancel_and_wait
+from server.defaults import DEFAULT_MAX_TOKENS
 from server.gateway.connection import Connection, handle
 from server.gateway.routing import Router
 from server.gateway.static import static_response
+from server.gateway.ui_config import content_security_policy, ui_config
 from server.store.logs import LogReader
 from server.store.requests import RequestStore
 from server.store.sessions import SessionStore
@@ -39,7 +41,7 @@ class GatewaySettings:
     auth_secret: str | None = None
     ping_interval_s: float = 20.0
     max_tokens: int = frames.MAX_MAX_TOKENS  # cap on params.max_tokens, advertised in welcome.limits
-    default_max_tokens: int = 256  # when a chat does not say
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a chat does not say
     # Hostile or buggy clients: limits that answer rate_limited (with retry_after_ms) instead of serving.
     chat_rate_per_connection: float = 10.0  # chats per second, bursts of twice that
     chat_rate_per_user: int = 50  # chats per second per user, across all gateways
@@ -53,6 +55,7 @@ class GatewaySettings:
     degrade_ttft_s: float = 0.0  # recent time to first token seen by this gateway (moving average)
     degrade_max_tokens: int = 128
     degrade_context_messages: int = 8
+    ui_connect: tuple[str, ...] = ()  # WebSocket origins the browser UI may use besides this server's
 
 
 class Gateway:
@@ -81,6 +84,7 @@ class Gateway:
         self._touch_task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self.store_reachable = True  # the store answered its last ping (/readyz fails while it does not)
+        self.model_name: str | None = None  # shown by the UI when this process knows it (serve)
 
     def attach(self, req_key: str) -> None:
         self._attached[req_key] = self._attached.get(req_key, 0) + 1
@@ -163,9 +167,22 @@ class Gateway:
             if self.ready():
                 return conn.respond(HTTPStatus.OK, "ready\n")
             return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "model loading\n")
+        if path == "/config.json":  # the UI's defaults and the origins it may connect to (ui_config.py)
+            body = ui_config(
+                connect=self.settings.ui_connect, model=self.model_name, max_tokens=self.settings.max_tokens
+            )
+            headers = Headers(
+                [
+                    ("Content-Type", "application/json"),
+                    ("Content-Length", str(len(body))),
+                    ("Cache-Control", "no-cache"),
+                ]
+            )
+            return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, body)
         if path != WS_PATH:
             # The browser chat UI: GET / and its files under /ui/, /src/, /vendor/ (client_js/).
-            static = static_response(request.path)
+            csp = content_security_policy(request.headers.get("Host"), self.settings.ui_connect)
+            static = static_response(request.path, csp=csp)
             if static is not None:
                 return static
             return conn.respond(HTTPStatus.NOT_FOUND, f"not found; the WebSocket endpoint is {WS_PATH}\n")

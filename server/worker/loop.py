@@ -69,6 +69,7 @@ class Worker:
         self.engine = engine
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.max_running = max_running
+        self.model_name: str | None = None  # what the loaded model calls itself (set by whoever loaded it)
         self._items: dict[str, WorkItem] = {}
         self._replies: dict[str, list[str]] = {}
         self._timing: dict[str, _Timing] = {}

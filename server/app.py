@@ -41,6 +41,7 @@ class ServeConfig:
     device: str | None = None
     dtype: str = "auto"
     threads: int | None = None  # torch CPU threads for the engine (None: torch's default)
+    kv_budget_mb: int | None = None  # the engine's KV cache memory (None: its default for the device)
     session_secret: str | None = None
     max_running: int = 64
     drain_timeout_s: float = 10.0
@@ -154,14 +155,19 @@ def use_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def load_engine(model: str | None, *, device: str | None = None, dtype: str = "auto") -> tuple[Any, Any]:
+def load_engine(
+    model: str | None, *, device: str | None = None, dtype: str = "auto", kv_budget_mb: int | None = None
+) -> tuple[Any, Any]:
     """Load the model and build its engine (the one place that picks the engine implementation):
     ``(loaded model, engine not yet started)``. Blocking: seconds."""
     from server.engine.engine import engine_for
     from server.engine.model import load_model
 
     loaded = load_model(model, device=device, dtype=dtype)
-    return loaded, engine_for(loaded)  # batching for Llama-family models, SimpleEngine for the rest
+    overrides = {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {}
+    return loaded, engine_for(
+        loaded, **overrides
+    )  # batching for Llama-family models, SimpleEngine for the rest
 
 
 async def start_worker(cfg: ServeConfig, h: StoreHandles) -> Any:
@@ -169,7 +175,8 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles) -> Any:
 
     use_threads(cfg.threads)
     loaded, engine = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: load_engine(cfg.model, device=cfg.device, dtype=cfg.dtype)
+        None,
+        lambda: load_engine(cfg.model, device=cfg.device, dtype=cfg.dtype, kv_budget_mb=cfg.kv_budget_mb),
     )
     worker = Worker(h.store, engine, name=cfg.name, max_running=cfg.max_running)
     worker.model_name = loaded.name

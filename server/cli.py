@@ -95,6 +95,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         device=getattr(args, "device", None),
         dtype=getattr(args, "dtype", "auto"),
         threads=getattr(args, "threads", None),
+        kv_budget_mb=getattr(args, "kv_budget_mb", None),
         drain_timeout_s=getattr(args, "drain_timeout", 10.0),
         session_secret=os.environ.get("TOKENWIRE_SESSION_SECRET") or None,
         name=getattr(args, "name", None),
@@ -257,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
         p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
         p.add_argument("--threads", type=int, help="torch CPU threads for the engine (default: torch's)")
+        p.add_argument(
+            "--kv-budget-mb",
+            type=_at_least_one,
+            metavar="MB",
+            help="memory for the KV cache, MiB (default: on CPU 1024 or an eighth of RAM if less; on CUDA "
+            "half the free GPU memory, at most 32 GiB). Fewer MiB, fewer sequences at once",
+        )
         p.add_argument(
             "--drain-timeout",
             type=float,

@@ -1,4 +1,4 @@
-"""Request state machine and token logs in Redis (DESIGN.md §4).
+"""Request state machine and token logs in Redis (ARCHITECTURE.md, "Request state machine").
 
 States: ``queued → running → done | failed | cancelled``, and ``running → queued`` when the worker's
 lease lapses. Each transition is one Lua script (``lua/``, loaded once and called by SHA), so a crash

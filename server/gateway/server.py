@@ -173,6 +173,7 @@ class Gateway:
             )
             headers = Headers(
                 [
+                    ("Connection", "close"),  # the server closes after any plain HTTP response
                     ("Content-Type", "application/json"),
                     ("Content-Length", str(len(body))),
                     ("Cache-Control", "no-cache"),

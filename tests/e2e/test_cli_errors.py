@@ -104,6 +104,12 @@ CASES = [
     ),
     Case("port out of range", ["serve", "--port", "99999"], 2, "expected a port number 0-65535"),
     Case("port not a number", ["gateway", "--port", "http"], 2, "expected a port number 0-65535"),
+    Case(
+        "UI origin that is not a WebSocket origin",
+        ["serve", "--ui-connect", "https://elsewhere.example"],
+        2,
+        "expected a WebSocket origin such as wss://chat.example.com, got 'https://elsewhere.example'",
+    ),
     Case("cluster without gateways", ["cluster", "--gateways", "0"], 2, "--gateways: expected at least 1"),
     Case(
         "model folder missing",

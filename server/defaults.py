@@ -11,7 +11,9 @@ from __future__ import annotations
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 0.2
 DEFAULT_TOP_P = 0.9
-DEFAULT_REPETITION_PENALTY = 1.0  # 1.0: off
+# 1.0 is off. 1.2 on 12 seeded replies (4 prompts x 3 seeds, temperature 0.2, 256 tokens): 6 of 12 had a
+# line repeated 3+ times without it (up to 15 times), 4 of 12 at 1.1, none at 1.2 or 1.3.
+DEFAULT_REPETITION_PENALTY = 1.2
 
 
 def sampling_defaults() -> dict[str, float | int]:

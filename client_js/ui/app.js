@@ -47,7 +47,7 @@ const STATE_TEXT = {
   refused: "Not connected",
 };
 // Used only when the server's /config.json cannot be read (an old server): the server's own defaults.
-const FALLBACK_DEFAULTS = { temperature: 0.2, top_p: 0.9, max_tokens: 256, repetition_penalty: 1.0 };
+const FALLBACK_DEFAULTS = { temperature: 0.2, top_p: 0.9, max_tokens: 256, repetition_penalty: 1.2 };
 // Settings fields: input element, params key, parse.
 const FIELDS = [
   { el: ui.temperature, key: "temperature", min: 0, max: 2 },

@@ -24,7 +24,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int = 0
     stop: tuple[str, ...] = ()
-    repetition_penalty: float = DEFAULT_REPETITION_PENALTY  # 1.0: off (penalties.py)
+    repetition_penalty: float = 1.0  # 1.0: off (penalties.py); the server's default is applied by the worker
     frequency_penalty: float = 0.0  # 0: off
     presence_penalty: float = 0.0  # 0: off
     ignore_eos: bool = False  # benchmarks only: every request does its full max_tokens

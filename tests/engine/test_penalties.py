@@ -11,6 +11,7 @@ import torch
 
 from protocol import Params, ProtocolError
 from protocol.frames import parse_client_frame
+from server.defaults import DEFAULT_REPETITION_PENALTY
 from server.engine.api import GenerationRequest, SamplingParams
 from server.engine.model import LoadedModel, load_model
 from server.engine.penalties import apply_penalties
@@ -80,7 +81,7 @@ def test_penalties_travel_from_the_wire_to_the_engine() -> None:
     assert chat.params == Params(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.25)  # type: ignore[union-attr]
     sp = params_from_payload(chat.params.to_wire())  # type: ignore[union-attr]
     assert (sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty) == (1.3, 0.5, -0.25)
-    assert params_from_payload({}).repetition_penalty == SamplingParams().repetition_penalty
+    assert params_from_payload({}).repetition_penalty == DEFAULT_REPETITION_PENALTY  # the server default
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.tokenwire-installed
 HOST ?= 127.0.0.1
 PORT ?= 8765
 
-.PHONY: run test lint typecheck pytest install js-deps bench clean
+.PHONY: run test lint typecheck pytest install js-deps bench image clean
 
 install: $(STAMP)
 
@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 run: $(STAMP)
-	@echo "tokenwire: starting on ws://$(HOST):$(PORT)/v1/ws  (chat with: $(VENV)/bin/tokenwire chat)"
+	@echo "tokenwire: starting on ws://$(HOST):$(PORT)/v1/ws"
+	@echo "  browser UI:  http://$(HOST):$(PORT)/"
+	@echo "  terminal:    $(VENV)/bin/tokenwire chat ws://$(HOST):$(PORT)/v1/ws"
 	$(VENV)/bin/tokenwire serve --host $(HOST) --port $(PORT)
 
 lint: $(STAMP)
@@ -40,8 +42,13 @@ JS_STAMP := client_js/node_modules/.tokenwire-stamp
 js-deps: $(JS_STAMP)
 
 $(JS_STAMP): client_js/package-lock.json client_js/package.json
+	@command -v npm >/dev/null || { echo "make js-deps: npm is missing: install Node.js 20+ (with npm)" >&2; exit 1; }
 	cd client_js && npm ci --no-audit --no-fund
-	@test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+	@# Debian's chromium for the browser test; apt-get needs root and Debian/Ubuntu. Elsewhere, install a
+	@# Chromium yourself and point TOKENWIRE_CHROMIUM at it.
+	@test -x "$${TOKENWIRE_CHROMIUM:-/usr/bin/chromium}" || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; } || \
+		{ echo "make js-deps: Chromium is missing and apt-get cannot install it here (needs root on Debian/Ubuntu): install Chromium and set TOKENWIRE_CHROMIUM=/path/to/chromium" >&2; exit 1; }
 	@touch $(JS_STAMP)
 
 pytest: $(STAMP) $(JS_STAMP)
@@ -49,9 +56,17 @@ pytest: $(STAMP) $(JS_STAMP)
 
 test: lint typecheck pytest
 
-# Every benchmark of DESIGN.md section 6 in one run (about 20 minutes on 2 cores); rewrites BENCHMARKS.md.
+# Every benchmark the README lists under Benchmarks, in one run (about 15 minutes on 2 cores); rewrites BENCHMARKS.md.
 bench: $(STAMP)
 	$(PY) -m server.load.benchmarks --out BENCHMARKS.md --work .bench
+
+# The images the compose file and the Kubernetes manifests name, built locally (no registry needed: load
+# them with `kind load docker-image` / `minikube image load`, see deploy/README.md). Needs Docker.
+IMAGE_TAG ?= 0.1.0
+image:
+	docker build -f deploy/Dockerfile -t tokenwire:$(IMAGE_TAG) .
+	docker build -f deploy/Dockerfile -t tokenwire-cuda:$(IMAGE_TAG) \
+		--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 
 clean:
 	rm -rf $(VENV) .tokenwire .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -152,6 +152,20 @@ class Message:
         return {"role": self.role, "content": self.content}
 
 
+# The keys of params, in wire order (see SPEC 4.2).
+PARAM_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "cache",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Params:
     """Sampling parameters; ``None`` means the server's default."""
@@ -163,10 +177,13 @@ class Params:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     cache: bool | None = None  # False: never answer this request from the response cache
+    repetition_penalty: float | None = None  # > 1 discourages any token already in prompt or reply
+    frequency_penalty: float | None = None  # OpenAI-style: minus this times the token's count in the reply
+    presence_penalty: float | None = None  # OpenAI-style: minus this once the token is in the reply
 
     def to_wire(self) -> Wire:
         d: Wire = {}
-        for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "cache"):
+        for k in PARAM_KEYS:
             v = getattr(self, k)
             if v is not None:
                 d[k] = v
@@ -321,6 +338,9 @@ def _parse_params(pv: object, id: str) -> Params:
         seed=integer("seed", 0, 2**63 - 1),
         stop=stop,
         cache=flag("cache"),
+        repetition_penalty=num("repetition_penalty", 0.0, 2.0, lo_open=True),
+        frequency_penalty=num("frequency_penalty", -2.0, 2.0),
+        presence_penalty=num("presence_penalty", -2.0, 2.0),
     )
 
 

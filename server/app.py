@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import signal
-import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,11 @@ from server.store.sessions import SessionStore, shared_secret
 log = structlog.get_logger(__name__)
 
 
+class StartupError(Exception):
+    """A process cannot start for a reason the user can fix; the CLI prints the message as one line and
+    exits non-zero (no traceback)."""
+
+
 @dataclass(slots=True)
 class ServeConfig:
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
@@ -37,6 +42,7 @@ class ServeConfig:
     dtype: str = "auto"
     threads: int | None = None  # torch CPU threads for the engine (None: torch's default)
     scheduling: str = "fair"  # engine admission: "fair" (token-weighted fair queueing per user) or "fifo"
+    kv_budget_mb: int | None = None  # the engine's KV cache memory (None: its default for the device)
     session_secret: str | None = None
     max_running: int = 64
     drain_timeout_s: float = 10.0
@@ -79,7 +85,7 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
     url = cfg.redis_url
     if url is None:
         if not embedded_ok:
-            raise SystemExit("tokenwire: --redis-url is required here (gateways and workers share one Redis)")
+            raise StartupError("--redis-url is required here (gateways and workers share one Redis)")
         valkey = EmbeddedValkey(cfg.data_dir)
         url = await asyncio.get_running_loop().run_in_executor(None, valkey.start)
     # A blocking pool: a burst of thousands of handshakes waits for a connection instead of failing with
@@ -91,7 +97,13 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
     )
     reader = aioredis.from_url(url)
     try:
-        await r.ping()
+        try:
+            await asyncio.wait_for(r.ping(), 10)
+        except (aioredis.RedisError, OSError, TimeoutError) as exc:
+            where = "the embedded Valkey" if valkey is not None else f"Redis at {_redacted(url)}"
+            raise StartupError(
+                f"cannot reach {where}: {exc or type(exc).__name__}. Start it, or pass the right --redis-url"
+            ) from None
         await refuse_cluster(r)
         yield StoreHandles(r, reader, RequestStore(r, Keys(cfg.key_prefix), cfg.store), url)
     finally:
@@ -101,11 +113,49 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
             valkey.stop()
 
 
+def _redacted(url: str) -> str:
+    """``url`` without its password (it may be printed)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def bind_error(host: str, port: int, exc: OSError) -> StartupError:
+    """The one line a user sees when a port cannot be bound, naming the fix."""
+    if exc.errno == errno.EADDRINUSE:
+        why = "is already in use (another tokenwire?)"
+    elif exc.errno == errno.EACCES:
+        why = "needs privileges to bind"
+    else:
+        why = f"cannot be bound ({exc.strerror or exc})"
+    return StartupError(
+        f"port {port} on {host} {why}: choose another with --port N (0 picks a free one), "
+        "or `make run PORT=N`"
+    )
+
+
+def check_model(model: str | None) -> None:
+    """Fail before listening when the model cannot be found (loading it takes seconds, after listening)."""
+    from server.engine.model import ModelNotFound, check_model_source
+
+    try:
+        check_model_source(model)
+    except ModelNotFound as exc:
+        raise StartupError(str(exc)) from None
+
+
 async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gateway:
     secret = await shared_secret(h.r, h.store.keys, cfg.session_secret)
     sessions = SessionStore(h.r, h.store.keys, secret, cfg.store.session_ttl_ms)
     gateway = Gateway(h.store, sessions, h.reader, cfg.gateway, ready=ready, name=cfg.name)
-    port = await gateway.start()
+    try:
+        port = await gateway.start()
+    except OSError as exc:
+        raise bind_error(cfg.gateway.host, cfg.gateway.port, exc) from None
     tune_for_long_lived_objects()
     # The line tests and scripts wait for; stdout, unbuffered.
     if gateway.metrics_server is not None:
@@ -123,7 +173,12 @@ def use_threads(threads: int | None) -> None:
 
 
 def load_engine(
-    model: str | None, *, device: str | None = None, dtype: str = "auto", scheduling: str = "fair"
+    model: str | None,
+    *,
+    device: str | None = None,
+    dtype: str = "auto",
+    scheduling: str = "fair",
+    kv_budget_mb: int | None = None,
 ) -> tuple[Any, Any]:
     """Load the model and build its engine (the one place that picks the engine implementation):
     ``(loaded model, engine not yet started)``. Blocking: seconds."""
@@ -131,8 +186,9 @@ def load_engine(
     from server.engine.model import load_model
 
     loaded = load_model(model, device=device, dtype=dtype)
+    overrides = {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {}
     # Batching for Llama-family models, SimpleEngine for the rest.
-    return loaded, engine_for(loaded, fair=scheduling != "fifo")
+    return loaded, engine_for(loaded, fair=scheduling != "fifo", **overrides)
 
 
 async def start_worker(
@@ -142,9 +198,17 @@ async def start_worker(
 
     use_threads(cfg.threads)
     loaded, engine = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: load_engine(cfg.model, device=cfg.device, dtype=cfg.dtype, scheduling=cfg.scheduling)
+        None,
+        lambda: load_engine(
+            cfg.model,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            scheduling=cfg.scheduling,
+            kv_budget_mb=cfg.kv_budget_mb,
+        ),
     )
     worker = Worker(h.store, engine, name=cfg.name, max_running=cfg.max_running)
+    worker.model_name = loaded.name
     if on_model is not None:
         on_model(loaded.name)  # the gateway in this process lists it on GET /v1/models
     await worker.start()
@@ -156,6 +220,7 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
     """Gateway and worker in one process, until ``stop`` is set (or SIGINT/SIGTERM)."""
     stop = stop or asyncio.Event()
     _stop_on_signals(stop)
+    check_model(cfg.model)
     async with open_store(cfg, embedded_ok=True) as h:
         state: dict[str, Any] = {}
         # Ready once the worker is up, and not while it cannot reach Redis (it takes no work then).
@@ -166,9 +231,9 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
             done, _ = await asyncio.wait({worker_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
             if worker_task in done:
                 if worker_task.exception() is not None:
-                    print(f"tokenwire: cannot start the worker: {worker_task.exception()}", file=sys.stderr)
-                    raise SystemExit(2)
+                    raise StartupError(f"cannot start the worker: {worker_task.exception()}")
                 state["worker"] = worker_task.result()
+                gateway.model_name = state["worker"].model_name
             await stop.wait()
         finally:
             log.info("serve.stopping")
@@ -186,7 +251,7 @@ async def run_gateway(cfg: ServeConfig, *, stop: asyncio.Event | None = None) ->
     async with open_store(cfg, embedded_ok=False) as h:
 
         def ready() -> bool:
-            return True  # the store answered at start; requests queue until some worker takes them
+            return True  # requests queue until some worker takes them; the gateway checks its store
 
         gateway = await start_gateway(cfg, h, ready)
         try:
@@ -201,12 +266,16 @@ async def run_worker(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> 
     ``drain_timeout_s``, exit."""
     stop = stop or asyncio.Event()
     _stop_on_signals(stop)
+    check_model(cfg.model)
     async with open_store(cfg, embedded_ok=False) as h:
         probes = None
         if cfg.metrics_port is not None:
             from server.worker.probes import serve_probes
 
-            probes = serve_probes(cfg.metrics_port, cfg.gateway.host)  # /metrics, /healthz, /readyz
+            try:
+                probes = serve_probes(cfg.metrics_port, cfg.gateway.host)
+            except OSError as exc:
+                raise bind_error(cfg.gateway.host, cfg.metrics_port, exc) from None
         worker = await start_worker(cfg, h)
         if probes is not None:
             probes.worker = worker

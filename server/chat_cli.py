@@ -5,22 +5,54 @@ When the socket dies mid-reply (a flaky network, a gateway restarting: close 101
 with its session token and ``hello.resume`` at the offset it has printed, and the reply goes on from
 there: nothing repeated, nothing missing. A chat the server never acknowledged is sent again with the
 same id (chats are idempotent by id).
+
+Interactive use behaves like the chat tools people know: line editing and history (prompt_toolkit),
+Ctrl-C during a reply stops that reply (``cancel``) and returns to the prompt, Ctrl-C or Ctrl-D at the
+prompt quits, an empty line is ignored, and ``/help`` lists the commands.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit, urlunsplit
 
-from websockets.exceptions import WebSocketException
+from websockets.exceptions import InvalidStatus, WebSocketException
 
-from protocol import Accepted, Chat, Delta, Done, Error, Params, ResumePoint
+from protocol import Accepted, Cancel, Chat, Delta, Done, Error, Params, ResumePoint
 from server.client import Client, ServerError
 
 RECONNECT_ATTEMPTS = 6
 RECONNECT_BASE_S = 0.25  # doubled after each failed attempt, at most 4 s
+CANCEL_WAIT_S = 5.0  # after Ctrl-C, how long to wait for the server's done(cancelled) before moving on
+WS_PATH = "/v1/ws"
+os.environ.setdefault("PROMPT_TOOLKIT_NO_CPR", "1")  # no cursor-position queries: quiet in pipes and tests
+
+HELP = """commands:
+  /new              start a new conversation (the server forgets this one's history)
+  /settings         show the connection and the sampling settings of this session
+  /set NAME VALUE   change a setting: temperature, top_p, top_k, max_tokens, seed,
+                    repetition_penalty, frequency_penalty, presence_penalty ("/set NAME" resets it)
+  /help             this list
+  /exit, /quit      leave (or Ctrl-D; Ctrl-C at the prompt)
+Ctrl-C during a reply stops it. Up/Down recall earlier lines."""
+
+SETTABLE: dict[str, type] = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "max_tokens": int,
+    "seed": int,
+    "repetition_penalty": float,
+    "frequency_penalty": float,
+    "presence_penalty": float,
+}
 
 
 def _stderr(text: str) -> None:
@@ -30,6 +62,24 @@ def _stderr(text: str) -> None:
 def _stdout(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def check_url(url: str) -> str | None:
+    """What is wrong with ``url`` as a chat endpoint, said as a fix (None: nothing seen)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError as exc:
+        return f"{url!r} is not a valid URL ({exc}); expected e.g. ws://127.0.0.1:8765{WS_PATH}"
+    if parts.scheme in ("http", "https") and parts.netloc:
+        ws = urlunsplit(("ws" if parts.scheme == "http" else "wss", parts.netloc, WS_PATH, "", ""))
+        return f"{url} is the browser UI's address; chat needs the WebSocket endpoint: tokenwire chat {ws}"
+    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+        return f"{url!r} is not a WebSocket URL; expected e.g. ws://127.0.0.1:8765{WS_PATH}"
+    if parts.path in ("", "/"):
+        ws = urlunsplit((parts.scheme, parts.netloc, WS_PATH, "", ""))
+        return f"{url} has no endpoint path; the WebSocket endpoint is {WS_PATH}: tokenwire chat {ws}"
+    return None
 
 
 class ChatSession:
@@ -51,6 +101,8 @@ class ChatSession:
         self.client: Client | None = None
         self.session_token: str | None = None
         self.reconnects = 0
+        self.current: str | None = None  # the id of the reply streaming now
+        self.cancel_sent = False
 
     async def connect(self, resume: tuple[ResumePoint, ...] = ()) -> Client:
         client = await Client.connect(
@@ -65,6 +117,24 @@ class ChatSession:
         if self.client is not None:
             await self.client.close()
             self.client = None
+
+    async def new_conversation(self) -> Client:
+        """Forget this session (and with it the server-side history) and open a fresh one."""
+        await self.close()
+        self.session_token = None
+        return await self.connect()
+
+    async def cancel_current(self) -> bool:
+        """Ask the server to stop the reply streaming now; False when there is none (or no connection)."""
+        rid, client = self.current, self.client
+        if rid is None or client is None or self.cancel_sent:
+            return False
+        self.cancel_sent = True
+        try:
+            await client.send(Cancel(id=rid))
+        except (OSError, WebSocketException):
+            return False  # the connection is gone; the reconnect path ends the reply
+        return True
 
     async def _reconnect(self, resume: tuple[ResumePoint, ...]) -> Client:
         delay = RECONNECT_BASE_S
@@ -82,8 +152,16 @@ class ChatSession:
         raise ConnectionError(f"could not reconnect to {self.url}")
 
     async def ask(self, text: str, params: Params) -> bool:
-        """Stream one reply through ``write``; False if the server reported an error (or never came back)."""
+        """Stream one reply through ``write``; False if the server reported an error (or never came back).
+        A reply stopped by :meth:`cancel_current` ends with a "[stopped]" notice and counts as answered."""
         chat = Chat(id=uuid.uuid4().hex, content=text, params=params)
+        self.current, self.cancel_sent = chat.id, False
+        try:
+            return await self._stream(chat)
+        finally:
+            self.current = None
+
+    async def _stream(self, chat: Chat) -> bool:
         offset, epoch, accepted = 0, None, False
         client = self.client or await self.connect()
         await client.send(chat)
@@ -101,10 +179,12 @@ class ChatSession:
                         if frame.code != "too_large":
                             return False  # too_large is followed by done(error); the rest end here
                     elif isinstance(frame, Done):
-                        if frame.finish_reason == "length":
-                            self.write(" [...]")
                         self.write("\n")
-                        return frame.finish_reason in ("stop", "length")
+                        if frame.finish_reason == "length":
+                            self.notice(f"[max tokens reached ({frame.offset}); /set max_tokens N for more]")
+                        elif frame.finish_reason == "cancelled":
+                            self.notice("[stopped]")
+                        return frame.finish_reason in ("stop", "length", "cancelled")
                 raise ConnectionError("the stream ended without done")
             except (OSError, WebSocketException) as exc:
                 self.notice(f"\n[connection lost: {exc}; reconnecting]")
@@ -117,11 +197,125 @@ class ChatSession:
                     return False
                 if not accepted:
                     await client.send(chat)  # never acknowledged: the same id again (idempotent)
+                elif self.cancel_sent:
+                    self.cancel_sent = False
+                    await self.cancel_current()  # the cancel may have been lost with the connection
 
     async def close_quietly(self) -> None:
         c, self.client = self.client, None
         if c is not None:
             c.ws.transport.abort()
+
+
+def _line_reader() -> Callable[[], Awaitable[str]]:
+    """A coroutine function returning the next input line: prompt_toolkit (line editing, history) on a
+    terminal, plain lines otherwise (pipes, scripts). Raises EOFError at Ctrl-D / end of input and
+    KeyboardInterrupt at Ctrl-C."""
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+        from server.engine.model import cache_root
+
+        history: FileHistory | InMemoryHistory
+        try:
+            cache_root().mkdir(parents=True, exist_ok=True)
+            history = FileHistory(str(cache_root() / "chat-history"))
+        except OSError:
+            history = InMemoryHistory()
+        session: PromptSession[str] = PromptSession(history=history)
+
+        async def prompt() -> str:
+            return str(await session.prompt_async("> "))
+
+        return prompt
+
+    loop = asyncio.get_running_loop()
+
+    async def plain() -> str:
+        line: str = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    return plain
+
+
+def _settings_text(session: ChatSession, params: Params) -> str:
+    welcome = session.client.welcome if session.client else None
+    lines = [
+        f"server   {session.url}" + (f" ({welcome.server})" if welcome else ""),
+        f"session  {welcome.session if welcome else '(not connected)'}",
+    ]
+    for name in SETTABLE:
+        value = getattr(params, name)
+        lines.append(f"{name:<18} {value if value is not None else 'server default'}")
+    return "\n".join(lines)
+
+
+def _apply_set(params: Params, args: list[str]) -> tuple[Params, str]:
+    if not args or args[0] not in SETTABLE or len(args) > 2:
+        return params, f"usage: /set NAME [VALUE] with NAME one of {', '.join(SETTABLE)}"
+    name = args[0]
+    if len(args) == 1:
+        return dataclasses.replace(params, **{name: None}), f"{name}: server default"  # type: ignore[arg-type]
+    try:
+        value = SETTABLE[name](args[1])
+    except ValueError:
+        return params, f"{name}: expected {'an integer' if SETTABLE[name] is int else 'a number'}"
+    return dataclasses.replace(params, **{name: value}), f"{name} = {value}"
+
+
+async def _interactive(session: ChatSession, params: Params) -> int:
+    read_line = _line_reader()
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Future[bool]] = set()  # cancel sends in flight (kept referenced until done)
+    while True:
+        try:
+            line = (await read_line()).strip()
+        except (EOFError, KeyboardInterrupt):
+            return 0
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, *args = line.split()
+            if cmd in ("/exit", "/quit"):
+                return 0
+            if cmd == "/help":
+                session.notice(HELP)
+            elif cmd == "/new":
+                client = await session.new_conversation()
+                sid = client.welcome.session if client.welcome else "?"
+                session.notice(f"[new conversation: session {sid}]")
+            elif cmd == "/settings":
+                session.notice(_settings_text(session, params))
+            elif cmd == "/set":
+                params, said = _apply_set(params, args)
+                session.notice(said)
+            else:
+                session.notice(f"unknown command {cmd}; /help lists them")
+            continue
+        task = asyncio.ensure_future(session.ask(line, params))
+
+        def on_sigint(task: asyncio.Future[bool] = task) -> None:
+            # First Ctrl-C: ask the server to stop (the reply ends with done(cancelled)); a second one, or
+            # no answer within CANCEL_WAIT_S, gives up on this reply without waiting further.
+            if session.cancel_sent:
+                task.cancel()
+                return
+            pending.add(asyncio.ensure_future(session.cancel_current()))
+            loop.call_later(CANCEL_WAIT_S, lambda: task.done() or task.cancel())
+
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
+        try:
+            await task
+        except asyncio.CancelledError:
+            session.notice("\n[stopped without the server's answer]")
+            await session.close_quietly()  # the stream detaches; the server cancels it after its timeout
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGINT)
 
 
 async def run_chat(
@@ -138,8 +332,20 @@ async def run_chat(
     except ServerError as exc:
         print(f"tokenwire chat: the server refused: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        print(f"tokenwire chat: cannot connect to {url}: {exc}. Is `make run` running?", file=sys.stderr)
+    except InvalidStatus as exc:
+        code = exc.response.status_code
+        print(
+            f"tokenwire chat: {url} answered HTTP {code}, not a WebSocket: is {WS_PATH} its endpoint "
+            f"(e.g. ws://127.0.0.1:8765{WS_PATH})?",
+            file=sys.stderr,
+        )
+        return 1
+    except (OSError, WebSocketException, TimeoutError) as exc:
+        print(
+            f"tokenwire chat: cannot connect to {url}: {exc or type(exc).__name__}. Is a server "
+            f"running there (`make run`)?",
+            file=sys.stderr,
+        )
         return 1
     params = Params(temperature=temperature, max_tokens=max_tokens)
     try:
@@ -147,16 +353,10 @@ async def run_chat(
             return 0 if await session.ask(once, params) else 1
         print(
             f"connected to {url} (session {client.welcome.session if client.welcome else '?'}); "
-            "empty line or Ctrl-D to quit",
+            "/help for commands, Ctrl-D or /exit to quit",
             file=sys.stderr,
         )
-        loop = asyncio.get_running_loop()
-        while True:
-            line = await loop.run_in_executor(None, lambda: input("> "))
-            if not line.strip():
-                return 0
-            await session.ask(line, params)
-    except (EOFError, KeyboardInterrupt):
-        return 0
+        return await _interactive(session, params)
     finally:
-        await session.close()
+        with contextlib.suppress(Exception):
+            await session.close()

@@ -19,6 +19,51 @@ if TYPE_CHECKING:
 DEFAULT_URL = "ws://127.0.0.1:8765/v1/ws"
 
 
+class _Help(argparse.HelpFormatter):
+    """Shows each option's default, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or "default" in text
+            or action.default in (None, False, argparse.SUPPRESS)
+            or not text
+        ):
+            return action.help
+        return text + " (default: %(default)s)"
+
+
+def _port(value: str) -> int:
+    """A TCP port for argparse: 0-65535 (0 picks a free one)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535 (0 picks a free one), got {port}")
+    return port
+
+
+def _ws_origin(value: str) -> str:
+    from server.gateway.ui_config import ws_origin
+
+    try:
+        return ws_origin(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _at_least_one(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {n}")
+    return n
+
+
 def _config(args: argparse.Namespace) -> ServeConfig:
     from server.app import ServeConfig
     from server.gateway.server import GatewaySettings
@@ -38,12 +83,13 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             degrade_context_messages=getattr(args, "degrade_context_messages", 8),
             metrics_port=getattr(args, "metrics_port", None),
             metrics_host=getattr(args, "metrics_host", None),
+            ui_connect=tuple(getattr(args, "ui_connect", None) or ()),
         ),
         store=Settings(
             lease_ttl_ms=int(args.lease_ttl * 1000),
-            detach_timeout_ms=int(args.detach_timeout * 1000),
+            detach_timeout_ms=int(getattr(args, "detach_timeout", 30.0) * 1000),
             retention_ms=max(1, int(getattr(args, "retention", 24 * 3600.0) * 1000)),
-            max_queued=args.max_queued,
+            max_queued=getattr(args, "max_queued", 0),
             max_inflight_per_user=getattr(args, "max_inflight_per_user", 0),
         ),
         redis_url=args.redis_url or os.environ.get("TOKENWIRE_REDIS_URL") or None,
@@ -54,6 +100,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         dtype=getattr(args, "dtype", "auto"),
         threads=getattr(args, "threads", None),
         scheduling=getattr(args, "scheduling", "fair"),
+        kv_budget_mb=getattr(args, "kv_budget_mb", None),
         drain_timeout_s=getattr(args, "drain_timeout", 10.0),
         session_secret=os.environ.get("TOKENWIRE_SESSION_SECRET") or None,
         name=getattr(args, "name", None),
@@ -62,11 +109,17 @@ def _config(args: argparse.Namespace) -> ServeConfig:
 
 
 def _run(args: argparse.Namespace, main: Callable[[ServeConfig], Coroutine[Any, Any, None]]) -> int:
+    from server.app import StartupError
     from server.logs import configure
 
     configure(args.log_level)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main(_config(args)))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(main(_config(args)))
+    except StartupError as exc:
+        # Something the user can fix (a port in use, Redis unreachable, no model): one line, no traceback.
+        print(f"tokenwire {args.command}: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
@@ -95,8 +148,12 @@ def _cluster(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from server.chat_cli import run_chat
+    from server.chat_cli import check_url, run_chat
 
+    problem = check_url(args.url)
+    if problem is not None:
+        print(f"tokenwire chat: {problem}", file=sys.stderr)
+        return 2
     return asyncio.run(
         run_chat(
             args.url,
@@ -148,20 +205,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         p.add_argument("--key-prefix", default="tw:", help="prefix of every Redis key (default tw:)")
         p.add_argument("--lease-ttl", type=float, default=10.0, help="worker lease, seconds (default 10)")
+        p.add_argument("--name", help="this process's id in the store (default host-pid)")
+        p.add_argument(
+            "--retention",
+            type=float,
+            default=24 * 3600.0,
+            help="keep a finished request and its token log (for resume and retries) this long, seconds",
+        )
+        p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+
+    def sockets(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+        p.add_argument("--port", type=_port, default=8765, help="0 picks a free port (printed on stdout)")
         p.add_argument(
             "--detach-timeout",
             type=float,
             default=30.0,
             help="cancel a request nobody is attached to for this long, seconds (default 30)",
         )
-        p.add_argument(
-            "--retention",
-            type=float,
-            default=24 * 3600.0,
-            help="keep a finished request and its token log (for resume and retries) this long, seconds "
-            "(default 86400)",
-        )
-        p.add_argument("--name", help="this process's id in the store (default host-pid)")
         p.add_argument(
             "--max-queued",
             type=int,
@@ -175,11 +236,6 @@ def main(argv: list[str] | None = None) -> int:
             help="refuse a user's new chats with `rate_limited` while they have this many queued or running, "
             "across all gateways (0: no limit)",
         )
-        p.add_argument("--log-level", default="info")
-
-    def sockets(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed on stdout)")
         p.add_argument(
             "--auth-secret",
             help="require hello.token: an HS256 JWT signed with this secret (or $TOKENWIRE_AUTH_SECRET)",
@@ -204,11 +260,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         p.add_argument(
             "--metrics-port",
-            type=int,
+            type=_port,
             help="serve Prometheus /metrics on this port (0: a free one) and not on --port; without it "
             "/metrics is on --port, and only while auth is off",
         )
         p.add_argument("--metrics-host", help="address for --metrics-port (default: --host)")
+        p.add_argument(
+            "--ui-connect",
+            action="append",
+            type=_ws_origin,
+            metavar="ORIGIN",
+            help="a WebSocket origin (wss://host[:port]) the browser UI may connect to with ?ws= besides "
+            "this server (repeat; default: none). Listed in /config.json and the page's CSP",
+        )
         p.add_argument(
             "--allowed-origin",
             action="append",
@@ -224,7 +288,14 @@ def main(argv: list[str] | None = None) -> int:
             "--scheduling",
             choices=("fair", "fifo"),
             default="fair",
-            help="engine admission: fair (token-weighted fair queueing per user, the default) or fifo",
+            help="engine admission: fair (token-weighted fair queueing per user) or fifo",
+        )
+        p.add_argument(
+            "--kv-budget-mb",
+            type=_at_least_one,
+            metavar="MB",
+            help="memory for the KV cache, MiB (default: on CPU 1024 or an eighth of RAM if less; on CUDA "
+            "half the free GPU memory, at most 32 GiB). Fewer MiB, fewer sequences at once",
         )
         p.add_argument(
             "--drain-timeout",
@@ -233,38 +304,46 @@ def main(argv: list[str] | None = None) -> int:
             help="on SIGTERM, let running requests finish this long before handing them back (seconds)",
         )
 
-    s = sub.add_parser("serve", help="gateway + worker in one process (embedded Valkey by default)")
+    s = sub.add_parser(
+        "serve", help="gateway + worker in one process (embedded Valkey by default)", formatter_class=_Help
+    )
     common(s, redis_required=False)
     sockets(s)
     model(s)
     s.add_argument("--data-dir", help="embedded Valkey data (default $TOKENWIRE_DATA or ./.tokenwire)")
     s.set_defaults(func=_serve)
 
-    g = sub.add_parser("gateway", help="a gateway process: WebSockets, no model (cluster mode)")
+    g = sub.add_parser(
+        "gateway", help="a gateway process: WebSockets, no model (cluster mode)", formatter_class=_Help
+    )
     common(g, redis_required=True)
     sockets(g)
     g.set_defaults(func=_gateway)
 
-    w = sub.add_parser("worker", help="a worker process: the model, no sockets (cluster mode)")
+    w = sub.add_parser(
+        "worker", help="a worker process: the model, no sockets (cluster mode)", formatter_class=_Help
+    )
     common(w, redis_required=True)
     model(w)
     w.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         help="serve Prometheus /metrics and the /healthz (liveness) and /readyz (readiness) probes here",
     )
     w.add_argument("--host", default="127.0.0.1", help="address for --metrics-port")
     w.set_defaults(func=_worker)
 
-    k = sub.add_parser("cluster", help="a local cluster: N gateways and M workers sharing one Redis")
-    k.add_argument("--gateways", type=int, default=2)
-    k.add_argument("--workers", type=int, default=2)
-    k.add_argument("--host", default="127.0.0.1")
-    k.add_argument("--port", type=int, default=8765, help="first gateway's port; the others follow")
+    k = sub.add_parser(
+        "cluster", help="a local cluster: N gateways and M workers sharing one Redis", formatter_class=_Help
+    )
+    k.add_argument("--gateways", type=_at_least_one, default=2, help="gateway processes")
+    k.add_argument("--workers", type=_at_least_one, default=2, help="worker processes")
+    k.add_argument("--host", default="127.0.0.1", help="address the gateways listen on")
+    k.add_argument("--port", type=_port, default=8765, help="first gateway's port; the others follow")
     k.add_argument("--redis-url", help="shared Redis (default: start an embedded Valkey)")
     k.add_argument("--data-dir", help="embedded Valkey data (default $TOKENWIRE_DATA or ./.tokenwire)")
-    k.add_argument("--key-prefix", default="tw:")
-    k.add_argument("--model")
+    k.add_argument("--key-prefix", default="tw:", help="prefix of every Redis key")
+    k.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
     k.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
     k.add_argument(
         "--pin-workers",
@@ -272,26 +351,30 @@ def main(argv: list[str] | None = None) -> int:
         help="pin worker i to CPU i (round robin over this process's CPUs), as taskset would: each "
         "worker then uses one core whatever its threads; gateways and Redis are left unpinned",
     )
-    k.add_argument("--lease-ttl", type=float, default=10.0)
-    k.add_argument("--retention", type=float, default=24 * 3600.0, help="seconds (default 86400)")
-    k.add_argument("--log-level", default="info")
+    k.add_argument("--lease-ttl", type=float, default=10.0, help="worker lease, seconds")
+    k.add_argument("--retention", type=float, default=24 * 3600.0, help="finished requests kept, seconds")
+    k.add_argument("--log-level", default="info", help="debug, info, warning or error")
     k.set_defaults(func=_cluster)
 
-    c = sub.add_parser("chat", help="chat in the terminal with a running server")
-    c.add_argument("url", nargs="?", default=DEFAULT_URL)
+    c = sub.add_parser("chat", help="chat in the terminal with a running server", formatter_class=_Help)
+    c.add_argument(
+        "url", nargs="?", default=DEFAULT_URL, help=f"the server's WebSocket URL (default {DEFAULT_URL})"
+    )
     c.add_argument("--token", help="JWT for servers with auth on")
     c.add_argument("-m", "--message", help="ask one question, print the streamed answer, exit")
     c.add_argument("--temperature", type=float)
     c.add_argument("--max-tokens", type=int)
     c.set_defaults(func=_chat)
 
-    b = sub.add_parser("bench", help="engine throughput and latency against transformers baselines")
+    b = sub.add_parser(
+        "bench", help="engine throughput and latency against transformers baselines", formatter_class=_Help
+    )
     b.add_argument("--json", metavar="FILE", help="write the results as JSON")
     b.add_argument("--turns", type=int, default=0, help="also measure TTFT per turn of an N-turn session")
-    b.add_argument("--device", default="auto")
+    b.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, ...")
     b.add_argument("--random-weights", metavar="CONFIG", help="random Llama: 1b, 135m or a config.json")
-    b.add_argument("--requests", type=int, default=32)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--requests", type=int, default=32, help="concurrent requests per path")
+    b.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling")
     b.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
     b.add_argument("--dtype", default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ...")
     b.add_argument("--paths", help="comma-separated subset of padded_loop,static,hf_cb,engine,engine_poisson")

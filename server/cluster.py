@@ -55,6 +55,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     readies: list[threading.Event] = []
     stopping = threading.Event()
+    failure = ""  # said last, once every child has stopped
 
     def on_signal(signum: int, _frame: object) -> None:
         stopping.set()
@@ -87,8 +88,12 @@ def run_cluster(args: argparse.Namespace) -> int:
             readies.append(ev)
             threading.Thread(target=_relay, args=(name, proc, ev), daemon=True).start()
         while not stopping.is_set() and not all(ev.is_set() for ev in readies):
-            if any(p.poll() is not None for p in procs.values()):
-                break
+            failed = [(n, p.returncode) for n, p in procs.items() if p.poll() is not None]
+            if failed:
+                # One child that cannot start (a port in use, no model) fails the whole cluster: a
+                # half-started cluster that never says "ready" helps nobody. Its own line said why.
+                failure = f"tokenwire cluster: {failed[0][0]} failed to start (exit {failed[0][1]}); stopped"
+                return 2
             time.sleep(0.1)
         if all(ev.is_set() for ev in readies):
             urls = ", ".join(f"ws://{args.host}:{args.port + i}/v1/ws" for i in range(args.gateways))
@@ -115,4 +120,6 @@ def run_cluster(args: argparse.Namespace) -> int:
                 p.wait(5)
         if valkey is not None:
             valkey.stop()
+        if failure:
+            print(failure, file=sys.stderr, flush=True)
     return 0

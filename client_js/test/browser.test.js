@@ -1,9 +1,13 @@
 // The chat UI in headless Chromium (playwright-core driving the Debian chromium; `make js-deps` installs
 // both). Against the real `tokenwire serve` (tiny model), through a TCP proxy the test can cut: ask,
 // watch the reply stream in, cut the connection mid-reply, watch the indicator go to reconnecting and
-// back, and the reply complete with exactly the text the server generated; stop a reply with the
-// button; save a screenshot. Then model output carrying HTML is shown as text, never executed (a fake
-// protocol server scripts that output, since the tiny model cannot be made to say it).
+// back, and the reply complete with exactly the text the server generated. A fake protocol server (which
+// the real server lists with --ui-connect, so the UI may use it through ?ws=) scripts what the tiny model
+// cannot be made to do on demand: a reply that never ends by itself (the Stop button's reply cannot
+// finish before the click), model output carrying HTML (shown as text, never executed), Markdown with
+// code. A second fake, not listed, is refused: a crafted ?ws= link sends it nothing. Screenshots of a
+// desktop and a 390x844 phone (empty state, streaming reply, settings open, server unreachable) are
+// saved under test-artifacts/.
 import assert from "node:assert/strict";
 import { existsSync, mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
@@ -23,12 +27,36 @@ const ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backgrou
 let browser;
 let server;
 let proxy;
+let fake; // scripted replies, listed by the server (--ui-connect)
+let evil; // not listed: the UI must refuse it
+
+const ENDLESS = Array.from({ length: 5000 }, (_, i) => (i % 12 === 11 ? ".\n\n" : ` word${i}`));
+const CODE_REPLY = ["Here is a function that reverses a string:\n\n", "```python\n", "def reverse(s: str) -> str:\n", "    return s[::-1]\n", "```\n\n", "It uses", " slicing", " with a", " step of", " -1."];
+// What the fake says, by the question asked (the last user message).
+const SCRIPT = {
+  "Keep talking": { reply: ENDLESS, holdAt: 40 },
+  "Reverse a string in Python": { reply: CODE_REPLY },
+  "Reverse a string, slowly": { reply: CODE_REPLY, holdAt: 7 },
+  "A long answer please": { reply: ENDLESS.slice(0, 30), finish: "length" },
+};
+const lastQuestion = (f) => (f.messages ? f.messages.at(-1).content : f.content);
 
 before(async () => {
   if (!existsSync(CHROMIUM)) throw new Error(`Chromium is not installed at ${CHROMIUM}: run \`make js-deps\` (apt-get install -y chromium)`);
   if (!existsSync(join(CLIENT_JS, "node_modules", "playwright-core"))) throw new Error("client_js/node_modules is missing: run `make js-deps`");
   const { chromium } = await import("playwright-core");
-  [browser, server] = await Promise.all([chromium.launch({ executablePath: CHROMIUM, args: ARGS, headless: true }), startServer()]);
+  fake = await new FakeServer({
+    reply: (f) => SCRIPT[lastQuestion(f)]?.reply ?? HOSTILE.match(/[\s\S]{1,3}/g),
+    holdAt: (f) => SCRIPT[lastQuestion(f)]?.holdAt ?? null,
+    finish: (f) => SCRIPT[lastQuestion(f)]?.finish ?? "stop",
+    delayMs: 2,
+  }).start();
+  evil = await new FakeServer({ reply: () => ["thanks"] }).start();
+  const allowed = new URL(fake.url);
+  [browser, server] = await Promise.all([
+    chromium.launch({ executablePath: CHROMIUM, args: ARGS, headless: true }),
+    startServer({ extraArgs: ["--ui-connect", `ws://${allowed.host}`] }),
+  ]);
   proxy = await new Proxy(server.port).start();
   mkdirSync(ARTIFACTS, { recursive: true });
 });
@@ -36,12 +64,17 @@ before(async () => {
 after(async () => {
   await browser?.close();
   await proxy?.close();
+  await fake?.close();
+  await evil?.close();
   if (server) await server.stop();
 });
 
+const DESKTOP = { viewport: { width: 1000, height: 900 } };
+const PHONE = { viewport: { width: 390, height: 844 }, deviceScaleFactor: 2, isMobile: true, hasTouch: true };
+
 /** A fresh page that records errors, dialogs and the client's connection states. */
-async function openUI(url) {
-  const context = await browser.newContext({ viewport: { width: 1000, height: 900 } });
+async function openUI(url, { device = DESKTOP, waitOpen = true } = {}) {
+  const context = await browser.newContext(device);
   const page = await context.newPage();
   const problems = [];
   const dialogs = [];
@@ -55,23 +88,34 @@ async function openUI(url) {
     d.dismiss().catch(() => {});
   });
   await page.goto(url);
-  await page.waitForSelector('#status[data-state="open"]', { timeout: 15_000 });
-  await page.evaluate(() => {
-    window.__states = [];
-    window.tokenwireUI.client.on("state", (e) => window.__states.push(e.state));
-  });
+  if (waitOpen) {
+    await page.waitForSelector('#status[data-state="open"]', { timeout: 15_000 });
+    await page.evaluate(() => {
+      window.__states = [];
+      window.tokenwireUI.client.on("state", (e) => window.__states.push(e.state));
+    });
+  }
   return { context, page, problems, dialogs };
 }
 
 async function setSettings(page, { temperature, maxTokens, seed }) {
-  await page.click("#settings summary");
+  await page.click("#settings-toggle");
   await page.fill("#temperature", String(temperature));
   await page.fill("#max-tokens", String(maxTokens));
   await page.fill("#seed", String(seed));
   // A repeated seeded request would be answered from the response cache at once: nothing to cut.
   await page.uncheck("#cache");
-  await page.click("#settings summary");
+  await page.click("#settings-toggle");
 }
+
+async function shot(page, name) {
+  const path = join(ARTIFACTS, `${name}.png`);
+  await page.screenshot({ path, fullPage: false });
+  assert.ok(readFileSync(path).subarray(0, 8).equals(PNG));
+  console.log(`screenshot: ${path}`);
+}
+
+const PNG = Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]);
 
 async function ask(page, text) {
   await page.fill("#prompt", text);
@@ -103,7 +147,7 @@ async function serverLog(page, id) {
   }
 }
 
-test("chat UI: streams, survives a cut connection without duplicating text, stops on the button", async () => {
+test("chat UI: streams, survives a cut connection without duplicating text", async () => {
   const question = "Tell me a long story about tokens";
   // A seed whose reply runs to max_tokens; the uninterrupted reply is what the UI must end up showing.
   const { params, result: expected } = await findLongReply(server.url, [{ role: "user", content: question }], { temperature: 1, max_tokens: 450, cache: false });
@@ -135,29 +179,75 @@ test("chat UI: streams, survives a cut connection without duplicating text, stop
   assert.equal(await turn.getAttribute("data-request-id"), reply.id);
   assert.ok((await turn.locator(".content").textContent()).length > before);
 
-  // 3. Another question; stop it with the button.
-  const second = await ask(page, "And now a short one");
-  assert.equal(await page.isVisible("#stop"), true);
-  await page.click("#stop");
-  await page.waitForFunction(() => [...document.querySelectorAll(".turn.assistant")].at(-1).dataset.status === "cancelled", null, { timeout: 10_000 });
-  assert.equal(await second.locator(".note").textContent(), "stopped");
-  assert.equal(await page.isVisible("#stop"), false);
-  assert.equal(await page.isEnabled("#send"), true);
-  const stopped = await lastTurn(page);
-  const stoppedLog = await serverLog(page, stopped.id);
-  assert.equal(stoppedLog.finishReason, "cancelled");
-  assert.ok(stoppedLog.offset < 450, "stopped before max_tokens");
-  assert.equal(stopped.content, stoppedLog.text);
-
-  // 4. The finished conversation, as a test artifact.
-  assert.equal(await page.locator(".turn").count(), 4);
-  const path = join(ARTIFACTS, "chat-ui.png");
-  await page.screenshot({ path, fullPage: true });
-  assert.ok(readFileSync(path).subarray(0, 8).equals(Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a])));
-  console.log(`screenshot: ${path}`);
+  // 3. The finished conversation, as a test artifact.
+  assert.equal(await page.locator(".turn").count(), 2);
+  await shot(page, "chat-ui");
 
   assert.deepEqual(problems, []);
   assert.deepEqual(dialogs, []);
+  await context.close();
+});
+
+test("Stop ends a reply that cannot finish by itself; the server is told to cancel it", async () => {
+  // The fake holds this reply after 40 tokens until it is cancelled: it is still streaming whenever
+  // the click lands, however slow or fast the machine.
+  const { context, page, problems } = await openUI(`${server.origin}/?ws=${encodeURIComponent(fake.url)}`);
+  const turn = await ask(page, "Keep talking");
+  assert.equal(await page.isVisible("#stop"), true);
+  assert.equal(await page.isVisible("#send"), false, "Stop takes Send's place while streaming");
+  await page.click("#stop");
+  await page.waitForFunction(() => [...document.querySelectorAll(".turn.assistant")].at(-1).dataset.status === "cancelled", null, { timeout: 10_000 });
+  assert.equal(await turn.locator(".note").textContent(), "stopped");
+  assert.equal(await page.isVisible("#stop"), false);
+  assert.equal(await page.isEnabled("#send"), true);
+  const stopped = await lastTurn(page);
+  assert.ok(fake.received.some((f) => f.type === "cancel" && f.id === stopped.id), "a cancel frame was sent");
+  assert.ok(stopped.content.length > 0 && stopped.content.length < ENDLESS.join("").length);
+  assert.deepEqual(problems, []);
+  await context.close();
+});
+
+test("a ?ws= server that this server does not list is refused with a visible message; nothing is sent", async () => {
+  const { context, page, problems } = await openUI(`${server.origin}/`, { waitOpen: true });
+  // A conversation kept in this browser: what a crafted link would try to ship elsewhere.
+  await page.evaluate(() => localStorage.setItem("tokenwire:ui:conversation", JSON.stringify([{ role: "user", content: "my secret plans", status: "done" }, { role: "assistant", content: "noted", status: "done" }])));
+  await page.goto(`${server.origin}/?ws=${encodeURIComponent(evil.url)}`);
+  const banner = page.locator('#banner[data-kind="refused"]');
+  await banner.waitFor({ state: "visible", timeout: 10_000 });
+  const evilOrigin = `ws://${new URL(evil.url).host}`;
+  assert.match(await banner.textContent(), new RegExp(`Not connecting to ${evilOrigin.replace(/[.]/g, "\\.")}.*Nothing was sent`));
+  assert.equal(await page.getAttribute("#status", "data-state"), "refused");
+  assert.equal(await page.isDisabled("#prompt"), true);
+  assert.equal(await page.isDisabled("#send"), true);
+  // Even a script on the page could not reach it: the page's CSP allows only this server and the listed one.
+  const direct = await page.evaluate(
+    (u) =>
+      new Promise((resolve) => {
+        const seen = { violation: null, opened: false };
+        document.addEventListener("securitypolicyviolation", (e) => {
+          seen.violation = e.effectiveDirective;
+          resolve(seen);
+        });
+        try {
+          const ws = new WebSocket(u);
+          ws.onopen = () => {
+            seen.opened = true;
+            resolve(seen);
+          };
+        } catch (e) {
+          seen.violation = e.name;
+          resolve(seen);
+        }
+      }),
+    evil.url,
+  );
+  assert.deepEqual(direct, { violation: "connect-src", opened: false });
+  await page.evaluate(() => new Promise((r) => setTimeout(r, 300))); // give any stray connect a chance to show
+  assert.equal(evil.connections, 0, "no connection to the unlisted server");
+  assert.deepEqual(evil.received, []);
+  assert.equal(await page.locator(".turn").count(), 2, "the conversation stays in this browser");
+  await shot(page, "ui-refused-foreign-ws");
+  assert.deepEqual(problems.filter((p) => !/Content Security Policy|violates/.test(p)), []);
   await context.close();
 });
 
@@ -178,10 +268,9 @@ const HOSTILE = [
 ].join("\n");
 
 test("model output with HTML is shown as text, never executed (Markdown still rendered)", async () => {
-  // Tokens of 3 characters: the tags arrive split across deltas, the hard case for naive renderers.
-  const tokens = HOSTILE.match(/[\s\S]{1,3}/g);
-  const fake = await new FakeServer({ reply: () => tokens, delayMs: 2 }).start();
-  try {
+  // Tokens of 3 characters: the tags arrive split across deltas, the hard case for naive renderers
+  // (the fake's default reply).
+  {
     const { context, page, problems, dialogs } = await openUI(`${server.origin}/?ws=${encodeURIComponent(fake.url)}`);
     await page.fill("#prompt", "Say something dangerous");
     await page.click("#send");
@@ -218,12 +307,101 @@ test("model output with HTML is shown as text, never executed (Markdown still re
     assert.deepEqual(dom.links, [{ href: "https://example.com/docs", rel: "noopener noreferrer nofollow", text: "safe link" }]);
     const visible = await page.locator(".turn.assistant .content").innerText();
     assert.ok(visible.includes("<img src=x onerror=alert(1)>"), "visible on screen");
-    const path = join(ARTIFACTS, "chat-ui-xss.png");
-    await page.screenshot({ path, fullPage: true });
-    console.log(`screenshot: ${path}`);
+    await shot(page, "chat-ui-xss");
     assert.deepEqual(problems, []);
     await context.close();
-  } finally {
-    await fake.close();
   }
 });
+
+const box = (page, selector) => page.locator(selector).first().boundingBox();
+
+for (const [name, device] of [
+  ["desktop", DESKTOP],
+  ["phone", PHONE],
+]) {
+  test(`screenshots and layout (${name}): empty state, settings, streaming reply, unreachable server`, async () => {
+    const { context, page, problems } = await openUI(`${server.origin}/?ws=${encodeURIComponent(fake.url)}`, { device });
+    await context.grantPermissions(["clipboard-read", "clipboard-write"], { origin: server.origin });
+    const width = device.viewport.width;
+
+    // Empty state: what this is, the model's name, example prompts.
+    assert.equal(await page.isVisible("#empty"), true);
+    const config = await page.evaluate(() => window.tokenwireUI.config);
+    assert.ok(config.model, "the server named its model");
+    assert.equal(await page.textContent("#model-name"), config.model);
+    assert.equal(await page.locator(".example").count(), 3);
+    // The header is one line: each button's text on one line, the bar no taller than one row.
+    const bar = await box(page, ".bar");
+    assert.ok(bar.height <= 60, `header ${bar.height}px tall`);
+    for (const sel of ["#settings-toggle", "#new-chat", "#status"]) {
+      const b = await box(page, sel);
+      assert.ok(b.height <= 40 && b.x + b.width <= width, `${sel} wraps or overflows: ${JSON.stringify(b)}`);
+    }
+    const placeholder = await page.getAttribute("#prompt", "placeholder");
+    if (name === "phone") assert.doesNotMatch(placeholder, /Shift|Enter/, "no keyboard hints on a phone");
+    else assert.match(placeholder, /Enter to send/);
+    await shot(page, `ui-empty-${name}`);
+
+    // Settings: the server's defaults; labels and inputs aligned; no overlap with the conversation.
+    await page.click("#settings-toggle");
+    await page.waitForSelector("#settings-panel:not([hidden])");
+    assert.equal(Number(await page.inputValue("#temperature")), config.defaults.temperature);
+    assert.equal(Number(await page.inputValue("#max-tokens")), config.defaults.max_tokens);
+    const inputs = await page.locator(".settings-grid input").evaluateAll((els) => els.map((e) => Math.round(e.getBoundingClientRect().left)));
+    const columns = new Set(inputs);
+    assert.equal(columns.size, name === "phone" ? 1 : 2, `inputs at x = ${[...columns]}`);
+    const label = await box(page, 'label[for="cache"]');
+    const check = await box(page, "#cache");
+    assert.ok(check.x - (label.x + label.width) < 60, "the checkbox sits next to its label");
+    assert.ok(Math.abs(check.y + check.height / 2 - (label.y + label.height / 2)) < 6, "on the label's line");
+    const panel = await box(page, "#settings-panel");
+    assert.ok(panel.x + panel.width <= width + 1, "the panel fits the screen");
+    assert.ok((await box(page, "#empty")).y >= panel.y + panel.height - 1, "the panel does not cover the conversation");
+    await shot(page, `ui-settings-${name}`);
+    await page.click("#settings-toggle");
+
+    // A streaming reply (held by the fake after its code block: still streaming when shot).
+    const turn = await ask(page, "Reverse a string, slowly");
+    await page.waitForFunction(() => document.querySelector(".turn.assistant pre")?.textContent.includes("return s[::-1]"));
+    assert.equal(await turn.getAttribute("data-status"), "streaming");
+    assert.equal(await page.isVisible("#empty"), false);
+    const prompt = await box(page, "#prompt");
+    assert.ok(prompt.width >= width * 0.55, `the message box keeps its width while streaming (${prompt.width}px)`);
+    await shot(page, `ui-streaming-${name}`);
+    fake.release((await lastTurn(page)).id);
+    await page.waitForFunction(() => document.querySelector(".turn.assistant").dataset.status === "done");
+    // Code blocks get a copy button that copies the code.
+    await page.click(".turn.assistant pre .copy");
+    await page.waitForFunction(() => document.querySelector(".turn.assistant pre .copy").textContent === "Copied");
+    assert.equal(await page.evaluate(() => navigator.clipboard.readText()), "def reverse(s: str) -> str:\n    return s[::-1]");
+
+    // A reply cut at max_tokens says so in words.
+    await page.fill("#prompt", "A long answer please"); // 30 quick tokens: may be done before any check
+    await page.click("#send");
+    await page.waitForFunction(() => document.querySelectorAll(".turn.assistant").length === 2);
+    await page.waitForFunction(() => [...document.querySelectorAll(".turn.assistant")].at(-1).dataset.status === "done");
+    const note = await page.locator(".turn.assistant").last().locator(".note");
+    assert.match(await note.textContent(), /hit the max tokens limit \(30 tokens\) and was cut off/);
+    assert.equal(await note.isVisible(), true);
+    await shot(page, `ui-max-tokens-${name}`);
+    assert.deepEqual(problems, []);
+    await context.close();
+
+    // The server unreachable: a banner, not only a small label.
+    const cutoff = await new Proxy(server.port).start();
+    try {
+      const { context: c2, page: p2 } = await openUI(`${cutoff.origin}/`, { device });
+      cutoff.refuse(120_000);
+      cutoff.cut();
+      const banner = p2.locator('#banner[data-kind="offline"]');
+      await banner.waitFor({ state: "visible", timeout: 10_000 });
+      assert.match(await banner.textContent(), /Can't reach the server at 127\.0\.0\.1:\d+/);
+      const b = await banner.boundingBox();
+      assert.ok(b.width >= width - 1 && b.height >= 30, "a full-width banner");
+      await shot(p2, `ui-unreachable-${name}`);
+      await c2.close();
+    } finally {
+      await cutoff.close();
+    }
+  });
+}

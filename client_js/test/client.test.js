@@ -273,7 +273,19 @@ test("the gateway serves the UI and its modules from client_js/, and nothing els
   assert.equal(index.headers["content-type"], "text/html; charset=utf-8");
   const csp = index.headers["content-security-policy"];
   assert.match(csp, /script-src 'self'(;|$)/);
-  assert.match(csp, /connect-src 'self' ws: wss:/);
+  // WebSockets to this server only (no bare ws:/wss: that would allow any host; ?ws= is checked too).
+  assert.match(csp, new RegExp(`connect-src 'self' ws://127\\.0\\.0\\.1:${server.port} wss://127\\.0\\.0\\.1:${server.port};`));
+  assert.doesNotMatch(csp, / wss?:( |;)/);
+  // One set of sampling defaults, served to the UI by the server.
+  const config = await get("/config.json");
+  assert.equal(config.status, 200);
+  assert.equal(config.headers["content-type"], "application/json");
+  const c = JSON.parse(config.body);
+  assert.equal(c.defaults.temperature, 0.2);
+  assert.equal(c.defaults.top_p, 0.9);
+  assert.equal(c.defaults.max_tokens, 256);
+  assert.ok(c.defaults.repetition_penalty >= 1);
+  assert.deepEqual(c.connect, []);
   assert.doesNotMatch(csp, /unsafe-inline|unsafe-eval/);
   assert.match(index.body, /<script type="module" src="ui\/app.js"><\/script>/);
   assert.doesNotMatch(index.body, /<script>|<script [^>]*>[^<]/, "no inline script");

@@ -11,10 +11,16 @@ export class FakeServer {
   /**
    * `reply(frame)` gives the list of delta texts for a chat (one token each). Options: `delayMs`
    * between deltas; `overload` (how many chats to refuse with `overloaded` first); `validToken`
-   * (a hello with another session_token is refused: unauthorized, close 1008).
+   * (a hello with another session_token is refused: unauthorized, close 1008); `holdAt(frame)`: a
+   * token count after which that chat's stream waits until release(id) or a cancel (null: never), so a
+   * reply that must still be streaming when the test acts cannot finish first; `finish(frame)`: the
+   * finish_reason of a reply that runs out of tokens (default "stop").
    */
-  constructor({ reply, delayMs = 20, overload = 0, validToken = null }) {
+  constructor({ reply, delayMs = 20, overload = 0, validToken = null, holdAt = () => null, finish = () => "stop" }) {
     this.reply = reply;
+    this.holdAt = holdAt;
+    this.finish = finish;
+    this.connections = 0;
     this.delayMs = delayMs;
     this.overload = overload;
     this.validToken = validToken;
@@ -62,6 +68,7 @@ export class FakeServer {
   }
 
   #connection(ws) {
+    this.connections += 1;
     this.sockets.add(ws);
     ws.on("close", () => this.sockets.delete(ws));
     const codec = createCodecWith(ws.protocol, msgpack);
@@ -91,7 +98,11 @@ export class FakeServer {
           return send({ type: "error", id: f.id, code: "overloaded", message: "queue full", retry_after_ms: 100 });
         }
         const r = this.#req(f.id);
-        if (r.texts === null) r.texts = this.reply(f);
+        if (r.texts === null) {
+          r.texts = this.reply(f);
+          r.hold = this.holdAt(f);
+          r.finish = this.finish(f);
+        }
         this.#stream(send, f.id, 0);
       } else if (f.type === "resume") this.#resume(send, f);
       else if (f.type === "cancel") {
@@ -126,7 +137,7 @@ export class FakeServer {
       i += 1;
       r.sent = Math.max(r.sent, i);
     }
-    const reason = r.cancelled != null ? "cancelled" : "stop";
+    const reason = r.cancelled != null ? "cancelled" : (r.finish ?? "stop");
     send({ type: "done", id, finish_reason: reason, offset: i, usage: { prompt_tokens: 3, completion_tokens: i } });
   }
 

@@ -50,8 +50,8 @@ export function newStoreScope() {
  * Start `tokenwire serve`; resolves with {url, port, origin, proc, stop(), kill()} once it is ready.
  * `scope` (from newStoreScope) is reused to restart a server on the same store.
  */
-export async function startServer({ port = 0, scope = newStoreScope(), timeoutMs = 90_000 } = {}) {
-  const args = ["-m", "server.cli", "serve", "--port", String(port), "--model", modelDir(), "--data-dir", scope.dataDir, "--key-prefix", scope.prefix];
+export async function startServer({ port = 0, scope = newStoreScope(), timeoutMs = 90_000, extraArgs = [] } = {}) {
+  const args = ["-m", "server.cli", "serve", "--port", String(port), "--model", modelDir(), "--data-dir", scope.dataDir, "--key-prefix", scope.prefix, ...extraArgs];
   if (process.env.TOKENWIRE_REDIS_URL) args.push("--redis-url", process.env.TOKENWIRE_REDIS_URL);
   mkdirSync(scope.dataDir, { recursive: true });
   const stderrPath = join(scope.dataDir, `serve-${Date.now()}.stderr`);

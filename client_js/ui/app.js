@@ -3,7 +3,12 @@
 //
 // The conversation lives in the page (and localStorage, so a reload keeps it): each turn sends the whole
 // conversation in messages mode. A reply that was streaming when the page was reloaded is resumed by
-// its request id. `?ws=ws://host:port/v1/ws` points the UI at another server.
+// its request id.
+//
+// Which server: the one this page came from. `?ws=wss://host/v1/ws` may name another, but only one the
+// server lists in its /config.json (`tokenwire serve --ui-connect ORIGIN`); anything else is refused with
+// a visible message and nothing is sent (the page keeps a whole conversation that a crafted link must not
+// be able to ship elsewhere; the page's Content-Security-Policy enforces the same list).
 import { TokenwireClient } from "../src/browser.js";
 import { renderMarkdown } from "./markdown.js";
 
@@ -11,14 +16,23 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   status: $("status"),
   statusText: $("status-text"),
+  banner: $("banner"),
   conversation: $("conversation"),
+  empty: $("empty"),
+  modelName: $("model-name"),
   form: $("composer"),
   prompt: $("prompt"),
   send: $("send"),
   stop: $("stop"),
   newChat: $("new-chat"),
+  settingsToggle: $("settings-toggle"),
+  settingsPanel: $("settings-panel"),
+  defaultsNote: $("defaults-note"),
+  resetSettings: $("reset-settings"),
   temperature: $("temperature"),
+  topP: $("top-p"),
   maxTokens: $("max-tokens"),
+  repetitionPenalty: $("repetition-penalty"),
   seed: $("seed"),
   cache: $("cache"),
 };
@@ -30,63 +44,181 @@ const STATE_TEXT = {
   open: "Connected",
   reconnecting: "Reconnecting…",
   closed: "Disconnected",
+  refused: "Not connected",
 };
+// Used only when the server's /config.json cannot be read (an old server): the server's own defaults.
+const FALLBACK_DEFAULTS = { temperature: 0.2, top_p: 0.9, max_tokens: 256, repetition_penalty: 1.2 };
+// Settings fields: input element, params key, parse.
+const FIELDS = [
+  { el: ui.temperature, key: "temperature", min: 0, max: 2 },
+  { el: ui.topP, key: "top_p", min: 0.01, max: 1 },
+  { el: ui.maxTokens, key: "max_tokens", min: 1, max: 8192, integer: true },
+  { el: ui.repetitionPenalty, key: "repetition_penalty", min: 0.5, max: 2 },
+];
 
-const params = new URLSearchParams(location.search);
-const wsUrl = params.get("ws") || new URL("v1/ws", location.href).href.replace(/^http/, "ws");
-const client = new TokenwireClient(wsUrl);
+/** The server's config: sampling defaults, model name, the extra WebSocket origins it allows. */
+async function loadConfig() {
+  try {
+    const r = await fetch(new URL("config.json", location.href), { cache: "no-cache" });
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
+    const c = await r.json();
+    return {
+      defaults: { ...FALLBACK_DEFAULTS, ...(c.defaults ?? {}) },
+      connect: Array.isArray(c.connect) ? c.connect.filter((o) => typeof o === "string") : [],
+      model: typeof c.model === "string" ? c.model : null,
+      maxTokens: Number.isInteger(c.limits?.max_tokens) ? c.limits.max_tokens : 8192,
+    };
+  } catch {
+    return { defaults: { ...FALLBACK_DEFAULTS }, connect: [], model: null, maxTokens: 8192 };
+  }
+}
 
-/** @type {{role: string, content: string, id?: string, status?: string, note?: string, el?: HTMLElement}[]} */
+/** The WebSocket URL to use: this page's server, or a `?ws=` one the server lists; else `refused`. */
+function pickServer(config) {
+  const own = new URL("v1/ws", location.href).href.replace(/^http/, "ws");
+  const asked = new URLSearchParams(location.search).get("ws");
+  if (!asked) return { url: own };
+  let u;
+  try {
+    u = new URL(asked);
+  } catch {
+    return { refused: asked };
+  }
+  if (u.protocol !== "ws:" && u.protocol !== "wss:") return { refused: asked };
+  const origin = `${u.protocol}//${u.host}`;
+  if (u.host === location.host || config.connect.includes(origin)) return { url: u.href };
+  return { refused: origin };
+}
+
+const config = await loadConfig();
+const server = pickServer(config);
+const client = server.url ? new TokenwireClient(server.url) : null;
+
+/** @type {{role: string, content: string, id?: string, status?: string, note?: string, finish?: string, el?: HTMLElement}[]} */
 let turns = [];
 let current = null; // the assistant turn that is streaming
 
+// ---------------------------------------------------------------------------------------- banner
+
+function showBanner(kind, parts) {
+  ui.banner.dataset.kind = kind;
+  ui.banner.replaceChildren(...parts.map((p) => (typeof p === "string" ? document.createTextNode(p) : p)));
+  ui.banner.hidden = false;
+}
+
+function hideBanner() {
+  ui.banner.hidden = true;
+  ui.banner.replaceChildren();
+}
+
 // ---------------------------------------------------------------------------------------- connection
 
-client.on("state", ({ state, delay }) => {
+function setStatus(state, text) {
   ui.status.dataset.state = state;
-  ui.statusText.textContent = state === "reconnecting" && delay != null ? `Reconnecting… (${(delay / 1000).toFixed(1)} s)` : STATE_TEXT[state] ?? state;
-  ui.status.title = client.welcome ? `server ${client.welcome.server}` : "";
-});
+  ui.statusText.textContent = text ?? STATE_TEXT[state] ?? state;
+}
+
+if (client) {
+  const host = new URL(server.url).host;
+  client.on("state", ({ state, delay }) => {
+    const retry = state === "reconnecting" && delay != null ? ` (${(delay / 1000).toFixed(1)} s)` : "";
+    setStatus(state, state === "reconnecting" ? `Reconnecting…${retry}` : undefined);
+    ui.status.title = client.welcome ? `server ${client.welcome.server}` : "";
+    if (state === "reconnecting") {
+      const when = delay != null ? `Trying again in ${(delay / 1000).toFixed(1)} s.` : "Trying again.";
+      showBanner("offline", [`Can't reach the server at ${host}. ${when} `, "Your conversation is kept, and a reply in progress continues where it stopped."]);
+    } else if (state === "closed") {
+      showBanner("offline", [`Disconnected from ${host}. Reload the page to connect again.`]);
+    } else if (state === "open") {
+      hideBanner();
+    }
+  });
+} else {
+  // Refused: say so where it cannot be missed, and keep everything in this browser.
+  setStatus("refused");
+  const back = document.createElement("a");
+  back.href = location.pathname;
+  back.textContent = "Use this server instead";
+  showBanner("refused", [
+    `Not connecting to ${server.refused}: this page only connects to the server it was loaded from${config.connect.length ? " and the servers that server lists" : ""}. Nothing was sent. `,
+    back,
+  ]);
+  ui.prompt.disabled = true;
+  ui.send.disabled = true;
+}
 
 // ---------------------------------------------------------------------------------------- settings
 
-function loadSettings() {
+function loadOverrides() {
   try {
-    const s = JSON.parse(localStorage.getItem(`${STORE}settings`) || "{}");
-    if (Number.isFinite(s.temperature)) ui.temperature.value = s.temperature;
-    if (Number.isInteger(s.maxTokens)) ui.maxTokens.value = s.maxTokens;
-    if (typeof s.seed === "string") ui.seed.value = s.seed;
-    if (typeof s.cache === "boolean") ui.cache.checked = s.cache;
+    const s = JSON.parse(localStorage.getItem(`${STORE}settings.v2`) || "{}");
+    return s && typeof s === "object" ? s : {};
   } catch {
-    // defaults from the HTML
+    return {};
   }
+}
+
+function fillSettings(overrides) {
+  for (const f of FIELDS) {
+    const v = overrides[f.key];
+    f.el.value = Number.isFinite(v) ? v : config.defaults[f.key];
+  }
+  ui.seed.value = typeof overrides.seed === "string" ? overrides.seed : "";
+  ui.cache.checked = overrides.cache !== false;
 }
 
 const MAX_SEED = 2n ** 63n - 1n;
 
 /** The sampling parameters of the settings panel (a seed only when one is given: same seed, same reply). */
 function settings() {
-  const t = Math.min(2, Math.max(0, Number(ui.temperature.value)));
-  const m = Math.min(8192, Math.max(1, Math.round(Number(ui.maxTokens.value))));
-  const p = { temperature: Number.isFinite(t) ? t : 0.7, max_tokens: Number.isFinite(m) ? m : 256 };
+  const p = {};
+  for (const f of FIELDS) {
+    let v = Number(f.el.value);
+    if (!Number.isFinite(v) || f.el.value.trim() === "") v = config.defaults[f.key];
+    v = Math.min(f.max, Math.max(f.min, f.integer ? Math.round(v) : v));
+    if (f.key === "max_tokens") v = Math.min(v, config.maxTokens);
+    p[f.key] = v;
+  }
   const seed = ui.seed.value.trim();
   if (/^\d{1,19}$/.test(seed) && BigInt(seed) <= MAX_SEED) p.seed = BigInt(seed);
   if (!ui.cache.checked) p.cache = false;
   return p;
 }
 
-for (const input of [ui.temperature, ui.maxTokens, ui.seed, ui.cache]) {
-  input.addEventListener("change", () => {
-    const s = settings();
-    const saved = { temperature: s.temperature, maxTokens: s.max_tokens, seed: ui.seed.value.trim(), cache: ui.cache.checked };
-    localStorage.setItem(`${STORE}settings`, JSON.stringify(saved));
-  });
+/** Only what differs from the server's defaults is kept, so a change of defaults reaches returning users. */
+function saveSettings() {
+  const s = settings();
+  const overrides = {};
+  for (const f of FIELDS) if (s[f.key] !== config.defaults[f.key]) overrides[f.key] = s[f.key];
+  if (ui.seed.value.trim()) overrides.seed = ui.seed.value.trim();
+  if (!ui.cache.checked) overrides.cache = false;
+  localStorage.setItem(`${STORE}settings.v2`, JSON.stringify(overrides));
 }
+
+for (const input of [...FIELDS.map((f) => f.el), ui.seed, ui.cache]) input.addEventListener("change", saveSettings);
+
+ui.resetSettings.addEventListener("click", () => {
+  localStorage.removeItem(`${STORE}settings.v2`);
+  fillSettings({});
+});
+
+function toggleSettings(open = ui.settingsPanel.hidden) {
+  ui.settingsPanel.hidden = !open;
+  ui.settingsToggle.setAttribute("aria-expanded", String(open));
+}
+
+ui.settingsToggle.addEventListener("click", () => toggleSettings());
+document.addEventListener("keydown", (ev) => {
+  if (ev.key === "Escape" && !ui.settingsPanel.hidden) toggleSettings(false);
+});
+
+const d = config.defaults;
+ui.defaultsNote.textContent = `Server defaults: temperature ${d.temperature}, top p ${d.top_p}, max tokens ${d.max_tokens}, repetition penalty ${d.repetition_penalty}.`;
 
 // ---------------------------------------------------------------------------------------- conversation
 
 function save() {
-  const plain = turns.map(({ role, content, id, status, note }) => ({ role, content, id, status, note }));
+  const plain = turns.map(({ role, content, id, status, note, finish }) => ({ role, content, id, status, note, finish }));
   try {
     localStorage.setItem(`${STORE}conversation`, JSON.stringify(plain));
   } catch {
@@ -94,12 +226,16 @@ function save() {
   }
 }
 
+function updateEmpty() {
+  ui.empty.hidden = turns.length > 0;
+}
+
 function addTurn(turn) {
   const el = document.createElement("article");
   el.className = `turn ${turn.role}`;
   const who = document.createElement("div");
   who.className = "who";
-  who.textContent = turn.role === "user" ? "You" : "Model";
+  who.textContent = turn.role === "user" ? "You" : (config.model ?? "Model");
   const content = document.createElement("div");
   content.className = "content";
   const note = document.createElement("div");
@@ -108,17 +244,59 @@ function addTurn(turn) {
   ui.conversation.appendChild(el);
   turn.el = el;
   turns.push(turn);
+  updateEmpty();
   paint(turn);
   return turn;
+}
+
+async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+    return true;
+  } catch {
+    // No clipboard API (an insecure origin): select the text and use the old command.
+    const area = document.createElement("textarea");
+    area.value = text;
+    area.setAttribute("readonly", "");
+    area.className = "offscreen";
+    document.body.appendChild(area);
+    area.select();
+    const ok = document.execCommand("copy");
+    area.remove();
+    return ok;
+  }
+}
+
+/** A Copy button on each code block of a rendered reply. */
+function addCopyButtons(content) {
+  for (const pre of content.querySelectorAll("pre")) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "copy";
+    button.textContent = "Copy";
+    button.setAttribute("aria-label", "Copy code");
+    button.addEventListener("click", async () => {
+      const ok = await copyText(pre.querySelector("code")?.textContent ?? pre.textContent);
+      button.textContent = ok ? "Copied" : "Copy failed";
+      setTimeout(() => (button.textContent = "Copy"), 1500);
+    });
+    pre.classList.add("has-copy");
+    pre.prepend(button);
+  }
 }
 
 function paint(turn) {
   const el = turn.el;
   el.dataset.status = turn.status ?? "done";
+  if (turn.finish) el.dataset.finish = turn.finish;
+  else delete el.dataset.finish;
   if (turn.id) el.dataset.requestId = turn.id;
   const content = el.querySelector(".content");
   if (turn.role === "user") content.textContent = turn.content;
-  else content.replaceChildren(renderMarkdown(turn.content));
+  else {
+    content.replaceChildren(renderMarkdown(turn.content));
+    if (turn.status !== "streaming") addCopyButtons(content);
+  }
   el.querySelector(".note").textContent = turn.note ?? "";
 }
 
@@ -144,7 +322,7 @@ function scrollToEnd() {
 
 function setBusy(busy) {
   ui.stop.hidden = !busy;
-  ui.send.disabled = busy;
+  ui.send.hidden = busy; // Stop takes Send's place: the message box keeps its width on a phone
   document.body.classList.toggle("busy", busy);
 }
 
@@ -153,6 +331,7 @@ async function stream(turn, chatStream) {
   turn.id = chatStream.id;
   turn.status = "streaming";
   turn.note = "";
+  turn.finish = "";
   paint(turn);
   save();
   setBusy(true);
@@ -164,7 +343,12 @@ async function stream(turn, chatStream) {
     }
     const result = await chatStream.result;
     turn.status = result.finishReason === "cancelled" ? "cancelled" : "done";
-    turn.note = result.finishReason === "cancelled" ? "stopped" : result.finishReason === "length" ? "max tokens reached" : "";
+    turn.finish = result.finishReason;
+    if (result.finishReason === "cancelled") turn.note = "stopped";
+    else if (result.finishReason === "length") {
+      const n = result.offset ?? result.usage?.completion_tokens;
+      turn.note = `The reply hit the max tokens limit${n ? ` (${n} tokens)` : ""} and was cut off. Raise Max tokens in Settings for longer replies.`;
+    } else turn.note = "";
   } catch (err) {
     turn.status = "error";
     turn.note = `error: ${err.code ?? ""} ${err.message ?? err}`.trim();
@@ -175,11 +359,12 @@ async function stream(turn, chatStream) {
     save();
     if (current === turn) current = null;
     setBusy(false);
-    ui.prompt.focus();
+    if (!coarse) ui.prompt.focus();
   }
 }
 
 function ask(text) {
+  if (!client) return;
   // The conversation so far (stopped replies included, as far as they got), then the new question.
   const messages = turns
     .filter((t) => t.content && t.status !== "error")
@@ -191,34 +376,55 @@ function ask(text) {
   return stream(reply, client.chat(messages, settings()));
 }
 
+function submit() {
+  const text = ui.prompt.value.trim();
+  if (!text || current || !client) return;
+  ui.prompt.value = "";
+  autosize();
+  ask(text);
+}
+
 ui.form.addEventListener("submit", (ev) => {
   ev.preventDefault();
-  const text = ui.prompt.value.trim();
-  if (!text || current) return;
-  ui.prompt.value = "";
-  ask(text);
+  submit();
 });
 
+// On a phone (coarse pointer) Enter makes a new line and Send sends; with a keyboard Enter sends.
+const coarse = matchMedia("(pointer: coarse)").matches;
+ui.prompt.placeholder = coarse ? "Ask something…" : "Ask something… (Enter to send, Shift+Enter for a new line)";
 ui.prompt.addEventListener("keydown", (ev) => {
-  if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
+  if (!coarse && ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
     ev.preventDefault();
-    ui.form.requestSubmit();
+    submit();
   }
 });
 
+function autosize() {
+  ui.prompt.style.height = "auto";
+  ui.prompt.style.height = `${Math.min(ui.prompt.scrollHeight + 2, 200)}px`;
+}
+ui.prompt.addEventListener("input", autosize);
+
 ui.stop.addEventListener("click", () => {
-  if (current?.id) client.cancel(current.id);
+  if (current?.id) client?.cancel(current.id);
 });
 
 ui.newChat.addEventListener("click", () => {
-  if (current?.id) client.cancel(current.id);
+  if (current?.id) client?.cancel(current.id);
   turns = [];
   current = null;
-  ui.conversation.replaceChildren();
+  for (const el of [...ui.conversation.querySelectorAll(".turn")]) el.remove();
+  updateEmpty();
   save();
   setBusy(false);
   ui.prompt.focus();
 });
+
+for (const example of document.querySelectorAll(".example")) {
+  example.addEventListener("click", () => {
+    if (!current && client) ask(example.textContent);
+  });
+}
 
 // ---------------------------------------------------------------------------------------- start
 
@@ -233,7 +439,7 @@ function restore() {
     if (t && (t.role === "user" || t.role === "assistant") && typeof t.content === "string") addTurn({ ...t });
   }
   const last = turns[turns.length - 1];
-  if (last && last.role === "assistant" && last.status === "streaming" && last.id) {
+  if (client && last && last.role === "assistant" && last.status === "streaming" && last.id) {
     // The page was reloaded mid-reply: replay that request from its start and follow it live.
     last.content = "";
     stream(last, client.resume(last.id));
@@ -241,14 +447,18 @@ function restore() {
   scrollToEnd();
 }
 
-loadSettings();
+if (config.model) ui.modelName.textContent = config.model;
+fillSettings(loadOverrides());
 restore();
-ui.prompt.focus();
+updateEmpty();
+if (!coarse) ui.prompt.focus();
 
-// For debugging from the console (and the browser tests): the client and the conversation.
+// For debugging from the console (and the browser tests): the client, the config and the conversation.
 globalThis.tokenwireUI = {
   client,
+  config,
+  server,
   get turns() {
-    return turns.map(({ role, content, id, status, note }) => ({ role, content, id, status, note }));
+    return turns.map(({ role, content, id, status, note, finish }) => ({ role, content, id, status, note, finish }));
   },
 };

@@ -6,9 +6,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_TEMPERATURE = 0.2  # SmolLM2's model card recommends 0.2 / top_p 0.9 for chat
-DEFAULT_TOP_P = 0.9
+from server.defaults import (  # one set of defaults for every door (server/defaults.py)
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_REPETITION_PENALTY,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+)
+
+__all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_REPETITION_PENALTY", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +24,9 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int = 0
     stop: tuple[str, ...] = ()
+    repetition_penalty: float = 1.0  # 1.0: off (penalties.py); the server's default is applied by the worker
+    frequency_penalty: float = 0.0  # 0: off
+    presence_penalty: float = 0.0  # 0: off
     ignore_eos: bool = False  # benchmarks only: every request does its full max_tokens
 
 

@@ -4,6 +4,7 @@ pass per step, and hands each step's outputs (every sequence's new tokens togeth
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -62,6 +63,16 @@ def default_pools(
     return ((n_short, short_len), (n_long, max_context))
 
 
+def cpu_kv_budget_mb() -> int:
+    """The default KV budget on CPU: 1 GiB, or an eighth of the machine's memory when that is less (a
+    2 GiB machine gets 256 MiB), so the default fits small machines. ``--kv-budget-mb`` overrides it."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1024
+    return max(128, min(1024, (total >> 20) // 8))
+
+
 def default_config(
     loaded: LoadedModel,
     *,
@@ -85,7 +96,7 @@ def default_config(
                 free, _ = torch.cuda.mem_get_info(torch.device(loaded.device))
                 kv_budget_mb = min(free // 2, 32 << 30) >> 20
             else:
-                kv_budget_mb = 1024
+                kv_budget_mb = cpu_kv_budget_mb()
         per_token = kv_bytes_per_token(loaded.model, loaded.dtype)
         pools = default_pools(per_token, ctx, running, kv_budget_mb << 20)
     return EngineConfig(

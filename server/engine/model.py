@@ -88,6 +88,25 @@ def find_default_gguf() -> Path:
     raise ModelNotFound(f"{DEFAULT_MODEL_PACKAGE} is installed but holds no .gguf file; " + INSTALL_HINT)
 
 
+def check_model_source(model_dir: str | Path | None) -> None:
+    """Raise :class:`ModelNotFound` (with what to do) unless ``model_dir`` names a model folder, or, when
+    it is None, the default model's package is installed. Cheap: nothing is loaded."""
+    if model_dir is None:
+        find_default_gguf()
+        return
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelNotFound(
+            f"--model {path}: no such folder. Pass a Hugging Face causal-LM folder (config.json, weights, "
+            "tokenizer), or leave --model out to serve the default SmolLM2-135M-Instruct"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelNotFound(
+            f"--model {path}: no config.json there. Pass a Hugging Face causal-LM folder (config.json, "
+            "weights, tokenizer), or leave --model out to serve the default SmolLM2-135M-Instruct"
+        )
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantise a GGUF into a plain HF folder (safetensors + config + tokenizer) at ``out``, atomically."""
     import torch
@@ -152,9 +171,8 @@ def load_model(
         path = default_model_dir()
         name = DEFAULT_MODEL_NAME
     else:
+        check_model_source(model_dir)
         path = Path(model_dir)
-        if not (path / "config.json").is_file():
-            raise ModelNotFound(f"--model {path}: no config.json there; " + INSTALL_HINT)
         name = path.name
     dev = pick_device(device)
     if dtype == "auto":

@@ -12,6 +12,7 @@ import torch
 
 from server.engine import llama
 from server.engine.kv_cache import Move, Op, Swap
+from server.engine.penalties import apply_penalties
 from server.engine.profile import Lap, no_lap
 from server.engine.sampling import sample
 from server.engine.scheduler import Batch, Work
@@ -75,7 +76,9 @@ class Runner:
             return []
         params = [w.seq.params for w in sampled]
         offsets = [w.seq.completion_len for w in sampled]  # completion index of the token being drawn
-        tokens = sample(logits.cpu(), params, offsets)
+        seqs = [w.seq for w in sampled]
+        logits = apply_penalties(logits.cpu(), params, [s.tokens for s in seqs], [s.n_prompt for s in seqs])
+        tokens = sample(logits, params, offsets)
         lap("sampling")
         return tokens
 

@@ -15,6 +15,7 @@ import torch
 from server.engine.api import GenerationRequest, StepOutput
 from server.engine.detok import Detokenizer
 from server.engine.model import LoadedModel
+from server.engine.penalties import apply_penalties
 from server.engine.prompt import PromptTooLarge, checked_ids
 from server.engine.sampling import sample
 from server.engine.threaded import ThreadedEngine, error_output
@@ -97,7 +98,13 @@ class SimpleEngine(ThreadedEngine):
             out = self.m.model(input_ids=ids, cache=s.cache, use_cache=True, logits_to_keep=1)
             s.cache = out.cache
             index = len(s.req.resume_ids) + s.generated  # this token's offset in the completion
-            token = sample(out.logits[:, -1, :], [s.req.params], [index])[0]
+            logits = apply_penalties(
+                out.logits[:, -1, :].float(),
+                [s.req.params],
+                [s.prompt_ids + s.completion],
+                [len(s.prompt_ids)],
+            )
+            token = sample(logits, [s.req.params], [index])[0]
             s.next_input = [token]
             s.completion.append(token)
             s.generated += 1

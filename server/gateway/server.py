@@ -18,11 +18,13 @@ from websockets.http11 import Request, Response
 from protocol import SUBPROTOCOLS, CloseCode, frames
 from server import metrics
 from server.aio import cancel_and_wait
+from server.defaults import DEFAULT_MAX_TOKENS
 from server.gateway.connection import Connection, handle
 from server.gateway.front_door import front_door_factory
 from server.gateway.http_api import HttpApi
 from server.gateway.routing import Router
 from server.gateway.static import static_response
+from server.gateway.ui_config import content_security_policy, ui_config
 from server.metrics import MetricsServer, serve_metrics
 from server.store.logs import LogReader, RedisClient
 from server.store.requests import RequestStore
@@ -49,7 +51,7 @@ class GatewaySettings:
     auth_secret: str | None = None
     ping_interval_s: float = 20.0
     max_tokens: int = frames.MAX_MAX_TOKENS  # cap on params.max_tokens, advertised in welcome.limits
-    default_max_tokens: int = 256  # when a chat does not say
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # when a chat does not say
     # Hostile or buggy clients: limits that answer rate_limited (with retry_after_ms) instead of serving.
     chat_rate_per_connection: float = 10.0  # chats per second, bursts of twice that
     chat_rate_per_user: int = 50  # chats per second per user, across all gateways
@@ -71,6 +73,7 @@ class GatewaySettings:
     # /metrics on a port of its own (None: on the client port, and only while auth is off).
     metrics_port: int | None = None
     metrics_host: str | None = None  # None: the same address as host
+    ui_connect: tuple[str, ...] = ()  # WebSocket origins the browser UI may use besides this server's
 
 
 class Gateway:
@@ -100,6 +103,9 @@ class Gateway:
         self._touch_task: asyncio.Task[None] | None = None
         self.routes = self._routes()
         self.metrics_server: MetricsServer | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.store_reachable = True  # the store answered its last ping (/readyz fails while it does not)
+        self.model_name: str | None = None  # shown by the UI when this process knows it (serve)
 
     def attach(self, req_key: str) -> None:
         self._attached[req_key] = self._attached.get(req_key, 0) + 1
@@ -125,6 +131,24 @@ class Gateway:
                 raise
             except Exception as exc:
                 log.warning("gateway.touch_failed", error=str(exc))
+
+    async def _health_loop(self, period_s: float = 1.0) -> None:
+        """Ping the store every ``period_s``: a gateway that cannot reach it must leave the load balancer
+        (/readyz 503) until it can again."""
+        while True:
+            try:
+                await asyncio.wait_for(self.store.ping(), period_s * 2)
+                reachable = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                reachable = False
+                if self.store_reachable:
+                    log.warning("gateway.store_unreachable", error=str(exc) or type(exc).__name__)
+            if reachable and not self.store_reachable:
+                log.info("gateway.store_reachable")
+            self.store_reachable = reachable
+            await asyncio.sleep(period_s)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_ewma_s = seconds if not self.ttft_ewma_s else 0.8 * self.ttft_ewma_s + 0.2 * seconds
@@ -158,6 +182,8 @@ class Gateway:
             WS_PATH: {"GET": lambda conn, request: None},
             "/healthz": {"GET": lambda conn, request: conn.respond(HTTPStatus.OK, "ok\n")},
             "/readyz": {"GET": self._readyz},
+            # The UI's defaults and the origins it may connect to (ui_config.py).
+            "/config.json": {"GET": self._ui_config},
         }
         if self.public_metrics:
             routes["/metrics"] = {"GET": lambda conn, request: _metrics_response()}
@@ -170,6 +196,8 @@ class Gateway:
         return self.settings.metrics_port is None and self.settings.auth_secret is None
 
     def _readyz(self, conn: ServerConnection, request: Request) -> Response:
+        if not self.store_reachable:
+            return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "store unreachable\n")
         if self.ready():
             return conn.respond(HTTPStatus.OK, "ready\n")
         return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "model loading\n")
@@ -179,7 +207,8 @@ class Gateway:
         methods = self.routes.get(path)
         if methods is None:
             # The browser chat UI: GET / and its files under /ui/, /src/, /vendor/ (client_js/).
-            static = static_response(request.path)
+            csp = content_security_policy(request.headers.get("Host"), self.settings.ui_connect)
+            static = static_response(request.path, csp=csp)
             if static is None:
                 return conn.respond(HTTPStatus.NOT_FOUND, f"not found; the WebSocket endpoint is {WS_PATH}\n")
             methods = {"GET": lambda conn, request: static}
@@ -193,10 +222,23 @@ class Gateway:
             return response
         return handler(conn, request)
 
+    def _ui_config(self, conn: ServerConnection, request: Request) -> Response:
+        body = ui_config(
+            connect=self.settings.ui_connect, model=self.model_name, max_tokens=self.settings.max_tokens
+        )
+        headers = Headers(
+            [
+                ("Connection", "close"),  # the server closes after any plain HTTP response
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(body))),
+                ("Cache-Control", "no-cache"),
+            ]
+        )
+        return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, body)
+
     async def start(self) -> int:
-        """Listen; returns the bound port (useful with port 0)."""
-        self.reader.start()
-        self._touch_task = asyncio.create_task(self._touch_loop(), name="gateway-touch")
+        """Listen; returns the bound port (useful with port 0). Binds before starting anything else, so a
+        port in use raises OSError and leaves nothing running."""
         open_timeout_s = 10.0  # websockets' default opening-handshake timeout
         self._server = await serve(
             lambda ws: handle(self, ws),
@@ -214,6 +256,9 @@ class Gateway:
             create_connection=front_door_factory(lambda _ws: self.http.connection(), open_timeout_s),  # type: ignore[arg-type]
             open_timeout=open_timeout_s,
         )
+        self.reader.start()
+        self._touch_task = asyncio.create_task(self._touch_loop(), name="gateway-touch")
+        self._health_task = asyncio.create_task(self._health_loop(), name="gateway-store-health")
         sock = next(iter(self._server.sockets))
         port: int = sock.getsockname()[1]
         log.info("gateway.listening", url=f"ws://{self.settings.host}:{port}{WS_PATH}")
@@ -234,7 +279,7 @@ class Gateway:
                 return_exceptions=True,
             )
             await self._server.wait_closed()
-        await cancel_and_wait([self._touch_task])
+        await cancel_and_wait([self._touch_task, self._health_task])
         await self.reader.stop()
         if self.metrics_server is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.metrics_server.stop)

@@ -16,6 +16,8 @@ from urllib.parse import unquote
 from websockets.datastructures import Headers
 from websockets.http11 import Response
 
+from server.gateway.ui_config import content_security_policy
+
 CLIENT_JS = Path(__file__).resolve().parents[2] / "client_js"
 FOLDERS = ("ui", "src", "vendor")
 INDEX = ("ui", "index.html")
@@ -31,11 +33,9 @@ CONTENT_TYPES = {
 }
 
 # The UI renders model output as text nodes, and this keeps it that way even if a bug slipped through:
-# no inline script, no eval, scripts and styles from this origin only, WebSockets to any host (?ws=).
-CONTENT_SECURITY_POLICY = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
-    "connect-src 'self' ws: wss:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-)
+# no inline script, no eval, scripts and styles from this origin only, WebSockets to this server and the
+# origins it lists (ui_config.py builds the policy per request).
+CONTENT_SECURITY_POLICY = content_security_policy(None, ())
 
 
 def resolve(path: str, root: Path = CLIENT_JS) -> Path | None:
@@ -69,8 +69,11 @@ def resolve(path: str, root: Path = CLIENT_JS) -> Path | None:
     return target
 
 
-def static_response(path: str, root: Path = CLIENT_JS) -> Response | None:
-    """A 200 response with the file ``path`` names (see :func:`resolve`), or None: the caller sends 404."""
+def static_response(
+    path: str, root: Path = CLIENT_JS, *, csp: str = CONTENT_SECURITY_POLICY
+) -> Response | None:
+    """A 200 response with the file ``path`` names (see :func:`resolve`), or None: the caller sends 404.
+    HTML pages carry ``csp`` as their Content-Security-Policy."""
     try:
         target = resolve(path, root)
     except UnicodeDecodeError:
@@ -93,6 +96,6 @@ def static_response(path: str, root: Path = CLIENT_JS) -> Response | None:
         ]
     )
     if target.suffix == ".html":
-        headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
+        headers["Content-Security-Policy"] = csp
         headers["X-Frame-Options"] = "DENY"
     return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, body)

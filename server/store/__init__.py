@@ -1,1 +1,1 @@
-"""The Redis store: request state machine, token logs, sessions, the work queue (DESIGN.md §4)."""
+"""The Redis store: request state machine, token logs, sessions, the work queue (ARCHITECTURE.md)."""

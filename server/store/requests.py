@@ -1,4 +1,4 @@
-"""Request state machine and token logs in Redis (DESIGN.md §4).
+"""Request state machine and token logs in Redis (ARCHITECTURE.md, "Request state machine").
 
 States: ``queued → running → done | failed | cancelled``, and ``running → queued`` when the worker's
 lease lapses. Each transition is one Lua script (``lua/``, loaded once and called by SHA), so a crash
@@ -484,6 +484,10 @@ class RequestStore:
             )
             if n != -2:  # -2: it started another request since we read its set
                 return n
+
+    async def ping(self) -> None:
+        """Raise unless the store answers (a round trip; readiness probes call it)."""
+        await self.r.ping()
 
     async def queued(self) -> int:
         """Requests waiting in the queue (all workers)."""

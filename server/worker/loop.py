@@ -22,6 +22,7 @@ from server import metrics
 from server.aio import cancel_and_wait
 from server.engine.api import (
     DEFAULT_MAX_TOKENS,
+    DEFAULT_REPETITION_PENALTY,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     Engine,
@@ -49,6 +50,9 @@ def params_from_payload(p: dict[str, object]) -> SamplingParams:
         top_k=int(get("top_k", 0)),  # type: ignore[call-overload]
         seed=int(get("seed", 0)),  # type: ignore[call-overload]
         stop=tuple(stop),  # type: ignore[arg-type]
+        repetition_penalty=float(get("repetition_penalty", DEFAULT_REPETITION_PENALTY)),  # type: ignore[arg-type]
+        frequency_penalty=float(get("frequency_penalty", 0.0)),  # type: ignore[arg-type]
+        presence_penalty=float(get("presence_penalty", 0.0)),  # type: ignore[arg-type]
     )
 
 
@@ -89,6 +93,7 @@ class Worker:
         self._store_up.set()
         self._hand_back = False  # requests were shed during an outage: hand them back when Redis returns
         self._retake_pending = False
+        self.model_name: str | None = None  # what the loaded model calls itself (set by whoever loaded it)
         self._items: dict[str, WorkItem] = {}
         self._replies: dict[str, list[str]] = {}
         self._timing: dict[str, _Timing] = {}

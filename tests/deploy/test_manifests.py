@@ -310,6 +310,9 @@ def test_redis_statefulset_persists_its_append_only_file() -> None:
     args = c.get("command", []) + c["args"]
     assert flag(args, "--appendonly") == "yes"
     assert flag(args, "--maxmemory-policy") == "noeviction"
+    # With noeviction, a cap below the container's limit makes Redis refuse writes instead of being
+    # OOM-killed; headroom for the AOF rewrite's fork and client buffers.
+    assert mem_bytes(flag(args, "--maxmemory")) <= 0.8 * mem_bytes(c["resources"]["limits"]["memory"])
     claims = {t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]}
     data_dir = flag(args, "--dir")
     assert any(m["name"] in claims and m["mountPath"] == data_dir for m in c["volumeMounts"])
@@ -334,6 +337,22 @@ def test_ingress_example_routes_to_the_gateway_service_with_websocket_timeouts()
     assert backend["port"]["name"] in [p["name"] for p in svc["spec"]["ports"]]
     annotations = ingress["metadata"]["annotations"]
     assert int(annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 600
+    # The public paths only: /metrics (and the probes) must not be reachable from outside.
+    for path in ingress["spec"]["rules"][0]["http"]["paths"]:
+        for private in ("/metrics", "/healthz", "/readyz"):
+            covered = private == path["path"] or (
+                path["pathType"] == "Prefix" and private.startswith(path["path"].rstrip("/") + "/")
+            )
+            assert not covered, f"{path['path']} ({path['pathType']}) publishes {private}"
+    assert {"/v1", "/"} <= {p["path"] for p in ingress["spec"]["rules"][0]["http"]["paths"]}
+
+
+def mem_bytes(v: str) -> float:
+    """Kubernetes (512Mi, 2Gi) and Redis/compose (768mb, 1g) memory sizes in bytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMG]i?|[kmg]b?|)", str(v).strip())
+    assert m, v
+    n, unit = float(m.group(1)), m.group(2).lower().rstrip("b").rstrip("i")
+    return n * {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}[unit]
 
 
 # --- compose -------------------------------------------------------------------------------------------
@@ -366,6 +385,8 @@ def test_compose_redis_keeps_an_append_only_file_on_a_volume() -> None:
     redis = SERVICES["redis"]
     assert redis["image"].startswith("redis:7")
     assert flag(redis["command"], "--appendonly") == "yes"
+    assert flag(redis["command"], "--maxmemory-policy") == "noeviction"
+    assert mem_bytes(flag(redis["command"], "--maxmemory")) <= 0.8 * mem_bytes(redis["mem_limit"])
     volume, _, path = redis["volumes"][0].partition(":")
     assert volume in COMPOSE["volumes"] and path == "/data"
     assert redis["healthcheck"]["test"][1:] == ["redis-cli", "ping"]

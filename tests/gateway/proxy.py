@@ -16,13 +16,17 @@ class DropProxy:
         self._server: asyncio.Server | None = None
         self._upstreams: dict[int, asyncio.StreamWriter] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = False
 
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+    async def start(self, port: int = 0) -> int:
+        """Listen on ``port`` (0: a free one; the previous port to come back after ``stop``)."""
+        self._stopped = False
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
     async def stop(self) -> None:
+        self._stopped = True  # a connection still opening its upstream is cut as soon as it has one
         if self._server is not None:
             self._server.close()
         for w in list(self._upstreams.values()):
@@ -44,6 +48,10 @@ class DropProxy:
             ur, uw = await asyncio.open_connection("127.0.0.1", self.target_port)
         except OSError:
             cw.transport.abort()
+            return
+        if self._stopped:
+            cw.transport.abort()
+            uw.transport.abort()
             return
         self._upstreams[client_port] = uw
 

@@ -1,0 +1,232 @@
+"""Errors a newcomer meets on the command line: each is one line that says what to do, and a non-zero
+exit, never a traceback or a process that hangs (issue 17). One table of invocations; every process is
+bounded in time, so a hang fails the test instead of stalling it."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import delete_prefix
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    args: list[str]  # {busy}: a port something listens on; {redis}: REDIS_URL; {model}: the tiny model
+    rc: int
+    message: str  # must appear in the last line of stderr
+    stdout_free_of: str = ""  # e.g. "listening": the failure comes before the server claims to listen
+
+
+STORE = ["--redis-url", "{redis}", "--key-prefix", "{prefix}"]
+GW1_W1 = ["--gateways", "1", "--workers", "1", "--port"]
+
+CASES = [
+    Case(
+        "gateway on a busy port",
+        ["gateway", "--redis-url", "{redis}", "--key-prefix", "{prefix}", "--port", "{busy}"],
+        2,
+        "port {busy} on 127.0.0.1 is already in use (another tokenwire?): choose another with --port N",
+        "listening",
+    ),
+    Case(
+        "serve on a busy port",
+        [
+            "serve",
+            "--redis-url",
+            "{redis}",
+            "--key-prefix",
+            "{prefix}",
+            "--model",
+            "{model}",
+            "--port",
+            "{busy}",
+        ],
+        2,
+        "port {busy} on 127.0.0.1 is already in use",
+        "listening",
+    ),
+    Case(
+        "cluster with its first gateway's port busy",
+        [
+            *["cluster", "--redis-url", "{redis}", "--key-prefix", "{prefix}", "--model", "{model}"],
+            *GW1_W1,
+            "{busy}",
+        ],
+        2,
+        "tokenwire cluster: gateway-0 failed to start (exit 2); stopped",
+        "cluster ready",
+    ),
+    Case(
+        "worker metrics port busy",
+        [
+            *[
+                "worker",
+                "--redis-url",
+                "{redis}",
+                "--key-prefix",
+                "{prefix}",
+                "--model",
+                "{model}",
+                "--metrics-port",
+                "{busy}",
+            ]
+        ],
+        2,
+        "port {busy} on 127.0.0.1 is already in use",
+    ),
+    Case(
+        "Redis unreachable",
+        ["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--port", "0"],
+        2,
+        "cannot reach Redis at redis://127.0.0.1:1/0",
+        "listening",
+    ),
+    Case(
+        "Redis password is not printed",
+        ["gateway", "--redis-url", "redis://:hunter2@127.0.0.1:1/0", "--port", "0"],
+        2,
+        "cannot reach Redis at redis://:***@127.0.0.1:1/0",
+    ),
+    Case("port out of range", ["serve", "--port", "99999"], 2, "expected a port number 0-65535"),
+    Case("port not a number", ["gateway", "--port", "http"], 2, "expected a port number 0-65535"),
+    Case(
+        "UI origin that is not a WebSocket origin",
+        ["serve", "--ui-connect", "https://elsewhere.example"],
+        2,
+        "expected a WebSocket origin such as wss://chat.example.com, got 'https://elsewhere.example'",
+    ),
+    Case("cluster without gateways", ["cluster", "--gateways", "0"], 2, "--gateways: expected at least 1"),
+    Case(
+        "model folder missing",
+        [
+            "serve",
+            "--redis-url",
+            "{redis}",
+            "--key-prefix",
+            "{prefix}",
+            "--model",
+            "/nonexistent",
+            "--port",
+            "0",
+        ],
+        2,
+        "--model /nonexistent: no such folder",
+        "listening",
+    ),
+    Case(
+        "worker model folder missing",
+        ["worker", "--redis-url", "{redis}", "--key-prefix", "{prefix}", "--model", "/nonexistent"],
+        2,
+        "--model /nonexistent: no such folder",
+    ),
+    Case(
+        "chat with the UI's http URL",
+        ["chat", "http://127.0.0.1:8765/"],
+        2,
+        "is the browser UI's address; chat needs the WebSocket endpoint: tokenwire chat ws://127.0.0.1:8765/v1/ws",
+    ),
+    Case(
+        "chat without the endpoint path",
+        ["chat", "ws://127.0.0.1:8765/"],
+        2,
+        "the WebSocket endpoint is /v1/ws: tokenwire chat ws://127.0.0.1:8765/v1/ws",
+    ),
+    Case(
+        "chat with no server there", ["chat", "ws://127.0.0.1:{free}/v1/ws", "-m", "hi"], 1, "cannot connect"
+    ),
+    Case(
+        "chat with a plain web server there",
+        ["chat", "ws://127.0.0.1:{http}/v1/ws", "-m", "hi"],
+        1,
+        "answered HTTP 200, not a WebSocket",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def busy_port() -> Iterator[int]:
+    """A port something is listening on (as `make run` would be)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    yield s.getsockname()[1]
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def http_port() -> Iterator[int]:
+    """A plain HTTP server that answers 200 to anything (not a WebSocket endpoint)."""
+
+    class Ok(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd.server_address[1]
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_cli_error_is_one_line_and_nonzero(
+    case: Case, busy_port: int, http_port: int, redis_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    prefix = f"twtest:cli:{uuid.uuid4().hex[:8]}:"
+    subs = {
+        "busy": str(busy_port),
+        "redis": redis_url,
+        "prefix": prefix,
+        "model": str(tiny_model_dir),
+        "free": str(_free_port()),
+        "http": str(http_port),
+    }
+    args = [a.format(**subs) for a in case.args]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "server.cli", *args],
+            cwd=tmp_path,  # embedded data, if any, stays in the test's folder
+            env={**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"},
+            capture_output=True,
+            text=True,
+            timeout=120,  # a hang (the bug this guards against) fails here
+        )
+    finally:
+        delete_prefix(redis_url, prefix)
+    err_lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == case.rc, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert err_lines, proc.stdout
+    # The line that says what to do is the last thing printed (after any child's own line and logs).
+    assert case.message.format(**subs) in err_lines[-1], proc.stderr[-2000:]
+    if case.stdout_free_of:
+        assert case.stdout_free_of not in proc.stdout, proc.stdout

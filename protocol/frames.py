@@ -42,9 +42,11 @@ def _is_int(v: object) -> bool:
 
 
 def _is_number(v: object) -> bool:
-    # Integers beyond 2**63 are refused rather than converted: float() of a huge int raises OverflowError.
+    # Any integer msgpack can carry (int64 and uint64: -2**63 .. 2**64-1) or finite float. Integers beyond
+    # that (JSON can spell them) are refused: msgpack could not echo them in a pong, and float() of a huge
+    # int raises OverflowError.
     if _is_int(v):
-        return abs(v) <= 2**63  # type: ignore[arg-type]
+        return -(2**63) <= v <= 2**64 - 1  # type: ignore[operator]
     return isinstance(v, float) and math.isfinite(v)
 
 

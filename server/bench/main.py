@@ -144,7 +144,7 @@ def _floor(
     results["engine"].update(summary)
     results["floor"] = {
         "rows": top,
-        "ms": round(floor[top] * 1000, 1),
+        "ms": round(floor[top] * 1000, 3),
         "by_rows_ms": {r: round(t * 1000, 2) for r, t in floor.items()},
     }
     at_top = [s.seconds for s in decode if s.rows == top]

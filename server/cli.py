@@ -362,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     c.add_argument("--token", help="JWT for servers with auth on")
     c.add_argument("-m", "--message", help="ask one question, print the streamed answer, exit")
-    c.add_argument("--temperature", type=float)
-    c.add_argument("--max-tokens", type=int)
+    c.add_argument("--temperature", type=float, help="sampling temperature (default: the server's, 0.2)")
+    c.add_argument("--max-tokens", type=int, help="longest reply in tokens (default: the server's, 256)")
     c.set_defaults(func=_chat)
 
     b = sub.add_parser(

@@ -40,28 +40,39 @@ def apply_penalties(
         return logits
     vocab = logits.shape[-1]
     with torch.inference_mode():  # the runner's logits are inference tensors: edit them in that mode
-        _penalise(logits, [params[i] for i in rows], rows, tokens, n_prompt, vocab)
+        rep = [i for i in rows if params[i].repetition_penalty != 1.0 and tokens[i]]
+        if rep:
+            ids, _ = _padded([_valid(tokens[i], vocab) for i in rep])  # [R, L]
+            index = torch.tensor(rep)
+            sub = logits[index]  # [R, V] (a copy)
+            vals = sub.gather(1, ids)  # [R, L]: each seen token's logit (padding repeats a seen token)
+            penalty = torch.tensor([params[i].repetition_penalty for i in rep], dtype=sub.dtype)[:, None]
+            sub.scatter_(1, ids, torch.where(vals > 0, vals / penalty, vals * penalty))
+            logits[index] = sub
+        freq = [i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]
+        if freq:
+            ids, weight = _padded([_valid(tokens[i][n_prompt[i] :], vocab) for i in freq])
+            index = torch.tensor(freq)
+            counts = torch.zeros(len(freq), vocab, dtype=logits.dtype)
+            counts.scatter_add_(1, ids, weight.to(logits.dtype))  # [R, V]: occurrences in the reply
+            f = torch.tensor([params[i].frequency_penalty for i in freq], dtype=logits.dtype)[:, None]
+            p = torch.tensor([params[i].presence_penalty for i in freq], dtype=logits.dtype)[:, None]
+            logits[index] -= counts * f + (counts > 0).to(logits.dtype) * p
     return logits
 
 
-def _penalise(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    rows: Sequence[int],
-    tokens: Sequence[Sequence[int]],
-    n_prompt: Sequence[int],
-    vocab: int,
-) -> None:
-    for p, i in zip(params, rows, strict=True):
-        row = logits[i]  # [V], a view: edits land in logits
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(tokens[i])), dtype=torch.long)
-            seen = seen[(seen >= 0) & (seen < vocab)]
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            completion = torch.tensor(list(tokens[i][n_prompt[i] :]), dtype=torch.long)
-            completion = completion[(completion >= 0) & (completion < vocab)]
-            if completion.numel():
-                counts = torch.bincount(completion, minlength=vocab).to(row.dtype)  # [V]
-                row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+def _valid(ids: Sequence[int], vocab: int) -> Sequence[int]:
+    return ids if not ids or (min(ids) >= 0 and max(ids) < vocab) else [t for t in ids if 0 <= t < vocab]
+
+
+def _padded(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, L] token ids (short rows padded with token 0) and [R, L] weights (1 real, 0 padding)."""
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    weight = torch.zeros(len(seqs), width)
+    for r, s in enumerate(seqs):
+        if s:
+            ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+            weight[r, : len(s)] = 1.0
+            ids[r, len(s) :] = s[0]  # padding repeats a real token: gather/scatter of it is harmless
+    return ids, weight

@@ -230,3 +230,30 @@ def test_cli_error_is_one_line_and_nonzero(
     assert case.message.format(**subs) in err_lines[-1], proc.stderr[-2000:]
     if case.stdout_free_of:
         assert case.stdout_free_of not in proc.stdout, proc.stdout
+
+
+def _help(command: str, capsys: pytest.CaptureFixture[str]) -> str:
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare on one line
+
+
+def test_help_shows_defaults_and_worker_help_has_no_gateway_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    serve = _help("serve", capsys)
+    assert "0 picks a free port (printed on stdout) (default: 8765)" in serve
+    assert "--kv-budget-mb" in serve and "--ui-connect" in serve
+    assert "(default: 2)" in _help("cluster", capsys)
+    worker = _help("worker", capsys)
+    for gateway_only in (
+        "--port ",
+        "--auth-secret",
+        "--max-queued",
+        "--max-inflight-per-user",
+        "--degrade",
+        "--ui-connect",
+    ):
+        assert gateway_only not in worker, gateway_only
+    assert "--kv-budget-mb" in worker and "--metrics-port" in worker

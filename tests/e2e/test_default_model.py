@@ -31,35 +31,36 @@ def smollm2() -> LoadedModel:
     return load_model(None, device="cpu")
 
 
-def replies(m: LoadedModel, payload: dict[str, object]) -> list[str]:
-    """The replies to PROMPT for SEEDS with ``params`` as a chat would send them (the worker's defaults
-    fill in the rest, exactly as for a chat from any client)."""
+def replies(m: LoadedModel, payloads: dict[str, dict[str, object]]) -> dict[str, list[str]]:
+    """The replies to PROMPT for SEEDS under each named ``params`` payload, as a chat would send it (the
+    worker's defaults fill in the rest, exactly as for a chat from any client); one batch for all."""
     outs: queue.Queue[list[StepOutput]] = queue.Queue()
     engine = BatchingEngine(m)
     engine.start(outs.put)
-    text = {f"s{seed}": "" for seed in SEEDS}
+    text = {(name, seed): "" for name in payloads for seed in SEEDS}
+    keys = {f"{name}:{seed}": (name, seed) for name, seed in text}
     try:
-        for seed in SEEDS:
-            sp = params_from_payload({**payload, "seed": seed})
-            engine.submit(GenerationRequest(f"s{seed}", [{"role": "user", "content": PROMPT}], sp))
-        pending = set(text)
+        for key, (name, seed) in keys.items():
+            sp = params_from_payload({**payloads[name], "seed": seed})
+            engine.submit(GenerationRequest(key, [{"role": "user", "content": PROMPT}], sp))
+        pending = set(keys)
         while pending:
-            for o in outs.get(timeout=300):
-                text[o.key] += o.text
+            for o in outs.get(timeout=600):
+                text[keys[o.key]] += o.text
                 if o.finish:
                     pending.discard(o.key)
     finally:
         engine.stop()
-    return list(text.values())
+    return {name: [text[name, seed] for seed in SEEDS] for name in payloads}
 
 
+@pytest.mark.timeout(900)  # 6 replies of 256 tokens from the real model on a CPU
 def test_default_params_stop_the_default_models_loops(smollm2: LoadedModel) -> None:
     assert DEFAULT_REPETITION_PENALTY > 1.0
-    looping = replies(smollm2, {"repetition_penalty": 1.0})
+    got = replies(smollm2, {"no_penalty": {"repetition_penalty": 1.0}, "defaults": {}})
     # Not vacuous: without the penalty these very samples loop.
-    assert max(longest_repeat(t) for t in looping) >= 5, looping
-    defaults = replies(smollm2, {})
+    assert max(longest_repeat(t) for t in got["no_penalty"]) >= 5, got["no_penalty"]
     assert params_from_payload({}).temperature == 0.2
-    for t in defaults:
+    for t in got["defaults"]:
         assert longest_repeat(t) < 3, t
         assert len(t) > 40, t  # an answer, not an early stop

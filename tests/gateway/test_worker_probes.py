@@ -98,6 +98,7 @@ def test_readiness_reasons() -> None:
         lease_ttl_s=3.0,
         last_heartbeat=None,
         draining=False,
+        store_ok=True,
     )
     probes.worker = w
     now = time.monotonic()
@@ -105,6 +106,9 @@ def test_readiness_reasons() -> None:
     assert probes.ready() == (False, "no heartbeat has reached Redis within the lease TTL")
     w.last_heartbeat = now
     assert probes.ready() == (True, "ok")
+    w.store_ok = False
+    assert probes.ready() == (False, "Redis is unreachable")
+    w.store_ok = True
     w.draining = True
     assert probes.ready() == (False, "draining")
     assert probes.live() == (True, "ok")  # draining is not dying

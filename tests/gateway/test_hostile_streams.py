@@ -8,7 +8,7 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from protocol import Accepted, Chat, Error, ErrorCode, Params, Resume, ResumePoint, ServerFrame
+from protocol import Accepted, Chat, Error, ErrorCode, Message, Params, Resume, ResumePoint, ServerFrame
 from server.client import Client, collect
 from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
@@ -16,6 +16,9 @@ from tests.gateway.conftest import running_server
 
 CAP = 4
 LONG = Params(max_tokens=400)  # with the slow fake engine below: runs for about a minute
+# Messages mode: content-mode turns of one session run one after another (SPEC §4.2), so only
+# messages-mode chats of one session are in flight together.
+ASK = (Message(role="user", content="long"),)
 
 
 async def _answers(c: Client, ids: list[str]) -> dict[str, ServerFrame]:
@@ -49,7 +52,7 @@ async def test_every_attached_stream_counts_against_max_streams(
         second = await Client.connect(server.url, session_token=token)
         ids = [f"r{i}" for i in range(2 * CAP)]
         for i, rid in enumerate(ids):
-            await (first if i < CAP else second).send(Chat(id=rid, content="long", params=LONG))
+            await (first if i < CAP else second).send(Chat(id=rid, messages=ASK, params=LONG))
         assert _count(await _answers(first, ids[:CAP]))[0] == CAP
         assert _count(await _answers(second, ids[CAP:]))[0] == CAP
 
@@ -63,8 +66,8 @@ async def test_every_attached_stream_counts_against_max_streams(
         # A new chat on the full connection is refused too; a retry of an attached id replaces its
         # stream (no room needed) and is accepted.
         attached = [rid for rid in ids if rid not in {e.id for e in refused}]
-        await third.send(Chat(id="one-more", content="long", params=LONG))
-        await third.send(Chat(id=attached[0], content="long", params=LONG))
+        await third.send(Chat(id="one-more", messages=ASK, params=LONG))
+        await third.send(Chat(id=attached[0], messages=ASK, params=LONG))
         answers = await _answers(third, ["one-more", attached[0]])
         assert isinstance(answers["one-more"], Error) and answers["one-more"].code == ErrorCode.RATE_LIMITED
         assert isinstance(answers[attached[0]], Accepted)

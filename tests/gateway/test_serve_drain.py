@@ -17,6 +17,8 @@ from server.store.requests import Settings
 class _RecordingWorker:
     def __init__(self) -> None:
         self.drained_for: float | None = None
+        self.store_ok = True  # read by serve's /readyz
+        self.model_name = "recording"  # shown by serve's UI config
 
     async def drain(self, deadline_s: float) -> int:
         self.drained_for = deadline_s
@@ -29,7 +31,7 @@ async def test_serve_drains_for_drain_timeout(
     worker = _RecordingWorker()
     started = asyncio.Event()
 
-    async def fake_start_worker(cfg: ServeConfig, h: StoreHandles) -> _RecordingWorker:
+    async def fake_start_worker(cfg: ServeConfig, h: StoreHandles, *_: Any) -> _RecordingWorker:
         started.set()
         return worker
 

@@ -56,7 +56,7 @@ pytest: $(STAMP) $(JS_STAMP)
 
 test: lint typecheck pytest
 
-# Every benchmark the README lists under Benchmarks, in one run (about 15 minutes on 2 cores); rewrites BENCHMARKS.md.
+# Every benchmark the README lists under Benchmarks, in one run (an hour or more on 2 cores: see the README); rewrites BENCHMARKS.md.
 bench: $(STAMP)
 	$(PY) -m server.load.benchmarks --out BENCHMARKS.md --work .bench
 

@@ -1,4 +1,4 @@
-"""``make bench``: run every benchmark of DESIGN.md §6 side by side and rewrite BENCHMARKS.md.
+"""``make bench``: run every benchmark of ARCHITECTURE.md ("Numbers that matter") and rewrite BENCHMARKS.md.
 
 Each figure comes from a real run started here: the engine table from ``tokenwire bench``, end to end
 from ``tokenwire load`` against a real ``tokenwire serve``, idle connections against the same kind of

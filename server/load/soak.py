@@ -4,9 +4,9 @@ Connects its users and warms the server up (one request each, then the retention
 sends N short requests, then waits out the server's retention, and reports the Redis it was given (the
 server's own: ``used_memory``, key counts by type, stream lengths) at the start, at the peak (all N
 finished and retained) and at the end, plus the bytes kept per finished request during retention. The
-target (DESIGN.md §6): after retention, memory within 10 % of the start and no stream longer than a small
-constant. Only keys under ``--key-prefix`` are counted; ``used_memory`` is the whole server's, so give
-the soak a Redis of its own.
+target (ARCHITECTURE.md, "Numbers that matter"): after retention, memory within 10 % of the start and
+no stream longer than a small constant. Only keys under ``--key-prefix`` are counted; ``used_memory`` is
+the whole server's, so give the soak a Redis of its own.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Workload (ARCHITECTURE.md, "Numbers that matter"): ``--requests`` chat requests with varied prompts,
 each with its own output length drawn from 16-128, EOS ignored and greedy decoding, so every path does
-the same useful work. Useful tokens/s counts each request's own output length only (a padded row running past its length is waste).
+the same useful work. Useful tokens/s counts each request's own output length only (a padded row
+running past its length is waste).
 TTFT is measured from a request's arrival; inter-token latency (ITL) is the gap between a request's
 consecutive tokens as its client would see them.
 

@@ -46,6 +46,24 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+# The request hash's fields that make a RequestInfo, in the order _info reads them.
+_INFO_FIELDS = ("state", "epoch", "completion_tokens", "prompt_tokens", "finish_reason", "session")
+
+
+def _info(owner: str, id: str, f: list[Any]) -> RequestInfo:
+    """A RequestInfo from the HMGET of _INFO_FIELDS (first in ``f``); the record must exist."""
+    return RequestInfo(
+        owner=owner,
+        id=id,
+        state=_s(f[0]),
+        epoch=int(f[1] or 1),
+        completion_tokens=int(f[2] or 0),
+        prompt_tokens=int(f[3] or 0),
+        finish_reason=_s(f[4]) if f[4] is not None else None,
+        session=_s(f[5] or b""),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class SubmitResult:
     outcome: str  # "new" | "attach" | "conflict" | "overloaded" | "user_limit" | "cached" | "turn_moved"
@@ -219,43 +237,19 @@ class RequestStore:
 
     async def get(self, owner: str, id: str) -> RequestInfo | None:
         """The request's current record, or None if unknown (never created, other owner, or expired)."""
-        f = await self.r.hmget(
-            self.keys.request(owner, id),
-            ["state", "epoch", "completion_tokens", "prompt_tokens", "finish_reason", "session"],
-        )
-        if f[0] is None:
-            return None
-        return RequestInfo(
-            owner=owner,
-            id=id,
-            state=_s(f[0]),
-            epoch=int(f[1] or 1),
-            completion_tokens=int(f[2] or 0),
-            prompt_tokens=int(f[3] or 0),
-            finish_reason=_s(f[4]) if f[4] is not None else None,
-            session=_s(f[5] or b""),
-        )
+        f = await self.r.hmget(self.keys.request(owner, id), list(_INFO_FIELDS))
+        return None if f[0] is None else _info(owner, id, f)
 
     async def view(self, owner: str, id: str) -> RequestView | None:
         """The request's record, its payload and the text logged so far, read in one transaction (the
         text is exactly what the record says has been logged). None if unknown (as :meth:`get`)."""
         pipe = self.r.pipeline(transaction=True)
-        fields = ["state", "epoch", "completion_tokens", "prompt_tokens", "finish_reason", "session"]
-        pipe.hmget(self.keys.request(owner, id), [*fields, "payload", "created_ms"])
+        pipe.hmget(self.keys.request(owner, id), [*_INFO_FIELDS, "payload", "created_ms"])
         pipe.xrange(self.keys.log(owner, id))
         f, entries = await execute(pipe)
         if f[0] is None:
             return None
-        info = RequestInfo(
-            owner=owner,
-            id=id,
-            state=_s(f[0]),
-            epoch=int(f[1] or 1),
-            completion_tokens=int(f[2] or 0),
-            prompt_tokens=int(f[3] or 0),
-            finish_reason=_s(f[4]) if f[4] is not None else None,
-            session=_s(f[5] or b""),
-        )
+        info = _info(owner, id, f)
         text: list[str] = []
         error_code = error_message = ""
         for _id, fields in entries:

@@ -56,9 +56,10 @@ pytest: $(STAMP) $(JS_STAMP)
 
 test: lint typecheck pytest
 
-# Every benchmark the README lists under Benchmarks, in one run (an hour or more on 2 cores: see the README); rewrites BENCHMARKS.md.
+# Every benchmark the README lists under Benchmarks (an hour or more on 2 cores), section by section; rewrites
+# BENCHMARKS.md. BENCH_ONLY=e2e,soak re-runs only those sections and keeps the rest from .bench/.
 bench: $(STAMP)
-	$(PY) -m server.load.benchmarks --out BENCHMARKS.md --work .bench
+	$(PY) -m server.load.benchmarks --out BENCHMARKS.md --work .bench $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
 
 # The images the compose file and the Kubernetes manifests name, built locally (no registry needed: load
 # them with `kind load docker-image` / `minikube image load`, see deploy/README.md). Needs Docker.

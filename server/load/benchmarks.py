@@ -3,7 +3,8 @@
 Each figure comes from a real run started here: the engine table from ``tokenwire bench``, end to end
 from ``tokenwire load`` against a real ``tokenwire serve``, idle connections against the same kind of
 server, and 1 vs 2 workers from ``tokenwire cluster``. Ratios are computed from numbers measured in this
-one run, on this machine. Usage: ``python -m server.load.benchmarks [--out BENCHMARKS.md] [--quick]``.
+one run, on this machine. Usage:
+``python -m server.load.benchmarks [--out BENCHMARKS.md] [--work DIR] [--only SECTIONS] [--quick]``.
 """
 
 from __future__ import annotations
@@ -107,86 +108,92 @@ def _soak(work: Path, requests: int) -> dict[str, Any]:
         valkey.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.load.benchmarks")
-    p.add_argument("--out", type=Path, default=Path("BENCHMARKS.md"))
-    p.add_argument("--work", type=Path, default=None, help="folder for the raw JSON (default: a temp dir)")
-    p.add_argument(
-        "--quick", action="store_true", help="smaller runs (for trying the script, not for figures)"
-    )
-    p.add_argument("--skip-engine", action="store_true", help="reuse <work>/engine.json from an earlier run")
-    args = p.parse_args(argv)
-    work = args.work or Path(tempfile.mkdtemp(prefix="tokenwire-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    # Raised for this run and its children only (5,000 idle sockets), never system-wide.
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
-    n_req, idle_n, users = (16, 500, 8) if args.quick else (64, 5000, 32)
-    results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
+SECTIONS = ("engine", "e2e", "hostile", "idle", "cluster", "soak", "noisy")
+
+
+def _engine(work: Path, quick: bool) -> dict[str, Any]:
+    """``tokenwire bench`` with every path, then the engine and the padded loop in each CPU dtype, for
+    the targets that must hold in both."""
+    _run(_tw("bench", "--json", str(work / "engine.json"), "--turns", "10", "--profile"), 3600)
+    for dt in DTYPES:
+        _run(
+            _tw("bench", "--paths", "padded_loop,engine", "--dtype", dt, "--profile", "--json",
+                str(work / f"engine-{dt}.json")),
+            3600,
+        )  # fmt: skip
+    return {
+        "engine": json.loads((work / "engine.json").read_text()),
+        "dtypes": {dt: json.loads((work / f"engine-{dt}.json").read_text()) for dt in DTYPES},
     }
 
-    engine_json = work / "engine.json"
-    if not args.skip_engine:
-        _run(_tw("bench", "--json", str(engine_json), "--turns", "10", "--profile"), 3600)
-        # The engine and the padded loop in each CPU dtype, for the targets that hold in both.
-        for dt in DTYPES:
-            _run(
-                _tw("bench", "--paths", "padded_loop,engine", "--dtype", dt, "--profile", "--json",
-                    str(work / f"engine-{dt}.json")),
-                3600,
-            )  # fmt: skip
-    results["engine"] = json.loads(engine_json.read_text())
-    results["dtypes"] = {
-        dt: json.loads((work / f"engine-{dt}.json").read_text())
-        for dt in DTYPES
-        if (work / f"engine-{dt}.json").is_file()
-    }
-    if args.skip_engine:
-        mtime = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(engine_json.stat().st_mtime))
-        results["engine_from"] = f"{engine_json} (an earlier `tokenwire bench` run, {mtime})"
 
-    data = work / "serve-data"
-    workload = [
+def _workload(quick: bool) -> tuple[list[str], int]:
+    n_req, users = (16, 8) if quick else (64, 32)
+    return [
         "--users", str(users), "--requests", str(n_req), "--turns", "1", "--max-tokens", "16-128",
         "--prompt-words", "16-64",
-    ]  # fmt: skip
-    # The same workload straight into an engine in the load tool's process, then through a real server
-    # (gateway, Redis log, worker, WebSocket): their ratio is the server's own overhead. Alternated over
-    # E2E_ROUNDS rounds, because one noisy moment on a shared machine moves a single run by 5-10 %.
-    results["engine_only"], results["load32"], results["load32_http"] = [], [], []
+    ], users  # fmt: skip
+
+
+def _e2e(work: Path, quick: bool) -> dict[str, Any]:
+    """The same workload straight into an engine in the load tool's process, then through a real server
+    (gateway, Redis log, worker, WebSocket), then through its HTTP API: their ratio is the server's own
+    overhead. Alternated over E2E_ROUNDS rounds, because one noisy moment on a shared machine moves a
+    single run by 5-10 %."""
+    workload, _users = _workload(quick)
+    out: dict[str, Any] = {"engine_only": [], "load32": [], "load32_http": []}
     with _Server(
-        ["serve", "--port", "0", "--data-dir", str(data), "--log-level", "warning"], "tokenwire ready"
+        ["serve", "--port", "0", "--data-dir", str(work / "serve-data"), "--log-level", "warning"],
+        "tokenwire ready",
     ) as s:
         for i in range(E2E_ROUNDS):
-            results["engine_only"].append(
+            out["engine_only"].append(
                 _load("", work / f"engine_only-{i}.json", "--engine-only", *workload)
             )  # the server waits idle meanwhile: no work, no CPU
-            results["load32"].append(
+            out["load32"].append(
                 _load(s.urls[0], work / f"load32-{i}.json", *workload, "--subprotocol", "both")
             )
             # The same workload through the same server's OpenAI-compatible HTTP API (streamed SSE).
             http = s.urls[0].replace("ws://", "http://").removesuffix("/ws")
-            results["load32_http"].append(
+            out["load32_http"].append(
                 _load(http, work / f"load32_http-{i}.json", *workload, "--api", "openai")
             )
+    return out
+
+
+def _hostile_run(work: Path, quick: bool) -> dict[str, Any]:
+    _workload_args, users = _workload(quick)
+    n_req = 16 if quick else 64
     with _Server(
-        ["serve", "--port", "0", "--data-dir", str(data), "--log-level", "warning"], "tokenwire ready"
+        ["serve", "--port", "0", "--data-dir", str(work / "serve-data"), "--log-level", "warning"],
+        "tokenwire ready",
     ) as s:
         # One client sends a ~940 KiB, 64-message chat over and over while the others stream.
-        results["hostile"] = _load(
-            s.urls[0], work / "hostile.json", "--scenario", "hostile-prompt", "--users", str(users // 4),
-            "--requests", str(n_req // 4), "--max-tokens", "32-96", "--prompt-words", "16-64",
+        hostile = _load(
+            s.urls[0], work / "hostile.json", "--scenario", "hostile-prompt", "--users",
+            str(users // 4), "--requests", str(n_req // 4), "--max-tokens", "32-96",
+            "--prompt-words", "16-64",
         )  # fmt: skip
+        return {"hostile": hostile}
+
+
+def _idle(work: Path, quick: bool) -> dict[str, Any]:
+    idle_n = 500 if quick else 5000
     with _Server(
-        ["serve", "--port", "0", "--data-dir", str(data), "--log-level", "warning"], "tokenwire ready"
+        ["serve", "--port", "0", "--data-dir", str(work / "serve-data"), "--log-level", "warning"],
+        "tokenwire ready",
     ) as s:
         assert s.proc is not None
-        results["idle"] = _load(
+        idle = _load(
             s.urls[0], work / "idle.json", "--idle-only", "--idle", str(idle_n), "--duration", "20",
             "--connect-concurrency", "200", "--server-pid", str(s.proc.pid),
         )  # fmt: skip
+        return {"idle": idle}
 
+
+def _cluster(work: Path, quick: bool) -> dict[str, Any]:
+    _workload_args, users = _workload(quick)
+    out: dict[str, Any] = {}
     for workers in (1, 2):
         port = 18800 + workers * 10
         cluster = [
@@ -194,21 +201,79 @@ def main(argv: list[str] | None = None) -> int:
             "--pin-workers", "--port", str(port), "--data-dir", str(work / f"cluster{workers}"),
             "--log-level", "warning",
         ]  # fmt: skip
-        with _Server(cluster, "tokenwire cluster ready") as s:
+        with _Server(cluster, "tokenwire cluster ready"):
             # The same loads against each cluster: as many users as one worker's engine runs at once (32
             # on CPU), twice that (two engines' worth, just full when perfectly balanced), and four times
             # that, which leaves every engine of either cluster a backlog: its throughput.
             for u in (users, 2 * users, 4 * users):
-                results[f"workers{workers}_users{u}"] = _load(
+                out[f"workers{workers}_users{u}"] = _load(
                     f"ws://127.0.0.1:{port}/v1/ws", work / f"workers{workers}-users{u}.json",
                     "--users", str(u), "--requests", str(2 * u), "--turns", "1", "--max-tokens", "16-128",
                 )  # fmt: skip
+    return out
 
-    results["soak"] = _soak(work, SOAK_REQUESTS // 10 if args.quick else SOAK_REQUESTS)
+
+def _noisy(work: Path, quick: bool) -> dict[str, Any]:
     # Fair share: light users alone, then next to a heavy user under FIFO and under fair share; the
     # scenario starts its own `tokenwire serve` for each phase.
-    results["noisy"] = _load("", work / "noisy.json", "--scenario", "noisy-neighbour",
-                             *(["--duration", "20"] if args.quick else ["--rounds", "2"]))  # fmt: skip
+    extra = ["--duration", "20"] if quick else ["--rounds", "2"]
+    return {"noisy": _load("", work / "noisy.json", "--scenario", "noisy-neighbour", *extra)}
+
+
+RUNNERS = {
+    "engine": _engine,
+    "e2e": _e2e,
+    "hostile": _hostile_run,
+    "idle": _idle,
+    "cluster": _cluster,
+    "soak": lambda work, quick: {"soak": _soak(work, SOAK_REQUESTS // 10 if quick else SOAK_REQUESTS)},
+    "noisy": _noisy,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m server.load.benchmarks")
+    p.add_argument("--out", type=Path, default=Path("BENCHMARKS.md"))
+    p.add_argument("--work", type=Path, default=None, help="folder for the raw JSON (default: a temp dir)")
+    p.add_argument(
+        "--quick", action="store_true", help="smaller runs (for trying the script, not for figures)"
+    )
+    p.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help="comma-separated sections to run now (default: all): "
+        + ", ".join(SECTIONS)
+        + ". The others are read from <work>/section-NAME.json of an earlier run, and BENCHMARKS.md says"
+        " when each section was measured; a section never measured is left out.",
+    )
+    args = p.parse_args(argv)
+    only = [x for x in args.only.split(",") if x]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown sections: {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+    work = args.work or Path(tempfile.mkdtemp(prefix="tokenwire-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # Raised for this run and its children only (5,000 idle sockets), never system-wide.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
+    results: dict[str, Any] = {"machine": machine, "measured": {}}
+    for name in SECTIONS:
+        saved = work / f"section-{name}.json"
+        if name in only:
+            section = {
+                "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "machine": machine,
+                "quick": args.quick,
+                "results": RUNNERS[name](work, args.quick),
+            }
+            saved.write_text(json.dumps(section, indent=2))
+        elif saved.is_file():
+            section = json.loads(saved.read_text())
+        else:
+            continue
+        results.update(section["results"])
+        results["measured"][name] = section["measured"] + (" (--quick)" if section.get("quick") else "")
 
     (work / "all.json").write_text(json.dumps(results, indent=2))
     args.out.write_text(render(results, quick=args.quick))
@@ -327,23 +392,42 @@ def _hostile(r: dict[str, Any]) -> list[str]:
 
 
 def render(r: dict[str, Any], *, quick: bool = False) -> str:
-    e = r["engine"]
-    eng = (e.get("engine") or {}).get("tok_s")
+    measured = r.get("measured") or {}
     lines = [
         "# Benchmarks",
         "",
-        "Regenerated by `make bench` (`python -m server.load.benchmarks`), which runs everything below in",
-        f"one go on one machine ({r['machine']}) and writes this file. Ratios compare numbers of one run.",
-        "Nothing here is edited by hand."
+        "Regenerated by `make bench` (`python -m server.load.benchmarks`), which runs every section below",
+        f"on one machine ({r['machine']}) and writes this file. Every ratio compares numbers measured side",
+        "by side within one section's run. `--only SECTIONS` re-runs some sections and keeps the others",
+        "from the earlier run, so the sections were measured at these times (a quiet machine matters more",
+        "than one sitting). Nothing here is edited by hand."
         + (" **This was a --quick run: not for comparison.**" if quick else ""),
+        "",
+        "| section | measured |",
+        "| --- | --- |",
+        *(f"| {name} | {when} |" for name, when in measured.items()),
+    ]
+    if "engine" in r:
+        lines += _render_engine(r)
+    if "load32" in r:
+        lines += _render_e2e(r)
+    lines += _hostile(r)
+    if "idle" in r:
+        lines += _render_idle(r["idle"])
+    if "soak" in r:
+        lines += _render_soak(r["soak"])
+    lines += render_noisy(r.get("noisy"))
+    lines += _render_cluster(r)
+    return "\n".join(lines) + "\n"
+
+
+def _render_engine(r: dict[str, Any]) -> list[str]:
+    e = r["engine"]
+    eng = (e.get("engine") or {}).get("tok_s")
+    lines = [
         "",
         "## Engine (`tokenwire bench --turns 10`)",
         "",
-        *(
-            [f"This table was not re-measured in this run: it is read from {r['engine_from']}.", ""]
-            if r.get("engine_from")
-            else []
-        ),
         f"{_cpu(e)}; dtype {e.get('dtype_note') or e.get('dtype')}.",
         "",
         "32 chat requests, output lengths drawn from 16-128, EOS ignored (every path does the same work),",
@@ -389,11 +473,16 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         lines.append("| no reuse | " + " | ".join(_f(v, 0) for v in no) + " |")
         if reuse:
             lines.append(f"\nTurn 10 / turn 1 with reuse: {reuse[-1] / reuse[0]:.2f}x (target ≤ 1.3x).")
+    return lines
+
+
+def _render_e2e(r: dict[str, Any]) -> list[str]:
+    eng = ((r.get("engine") or {}).get("engine") or {}).get("tok_s")
     rounds = list(zip(r["engine_only"], r["load32"], strict=True))
     eo, ld = rounds[0]
     only = sum(x["tokens"]["per_s"] for x, _ in rounds) / len(rounds)
     e2e = sum(y["tokens"]["per_s"] for _, y in rounds) / len(rounds)
-    lines += [
+    lines = [
         "",
         "## End to end over WebSocket (`tokenwire load`, default model, `tokenwire serve`)",
         "",
@@ -434,7 +523,6 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         "",
         f"For scale, the engine table's `engine` row ({_f(eng)} tok/s) is a different workload: greedy,",
         "EOS ignored (every request runs to its full length), all 32 requests submitted at once.",
-        *_hostile(r),
         "",
         "## Wire bytes per streamed token",
         "",
@@ -481,8 +569,11 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
             "HTTP inter-token latency is per SSE chunk (a chunk may carry several tokens when a client falls",
             "behind); tokens count from each response's `usage`.",
         ]
-    idle = r["idle"]
-    lines += [
+    return lines
+
+
+def _render_idle(idle: dict[str, Any]) -> list[str]:
+    return [
         "",
         "## Idle connections held by one `tokenwire serve` process",
         "",
@@ -496,11 +587,13 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         f"| server memory per connection | {_f(idle['idle'].get('server_kib_per_connection'))} KiB "
         "(target ≤ 20 KiB) |",
     ]
-    if "soak" in r:
-        lines += _render_soak(r["soak"])
-    lines += render_noisy(r.get("noisy"))
+
+
+def _render_cluster(r: dict[str, Any]) -> list[str]:
     user_counts = sorted(int(k.rsplit("users", 1)[1]) for k in r if k.startswith("workers1_users"))
-    lines += [
+    if not user_counts:
+        return []
+    lines = [
         "",
         "## Cluster: 1 vs 2 workers (`tokenwire cluster --gateways 1 --workers N --threads-per-worker 1"
         " --pin-workers`)",
@@ -532,9 +625,8 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
             "cluster has requests waiting. With fewer users one worker is already full (its engine runs up",
             f"to 32 sequences at once on CPU) while two workers are not: at {low} users each runs about half",
             f"a batch, and at {2 * low} users each is full only while the users happen to split evenly.",
-            "",
         ]
-    return "\n".join(lines)
+    return lines
 
 
 def render_noisy(n: dict[str, Any] | None) -> list[str]:

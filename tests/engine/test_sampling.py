@@ -52,6 +52,7 @@ def _all_paths_agree(
     offsets = list(range(len(params)))
     fast = [sample(logits, params, [o + 1000 * r for o in offsets]) for r in range(40)]
     monkeypatch.setattr(sampling, "CANDIDATES", ())  # straight to the full sort
+    monkeypatch.setattr(sampling, "ADAPTIVE", False)
     full = [sample(logits, params, [o + 1000 * r for o in offsets]) for r in range(40)]
     pairs = [(a, b) for fa, fb in zip(fast, full, strict=True) for a, b in zip(fa, fb, strict=True)]
     differ = sum(a != b for a, b in pairs)
@@ -85,6 +86,51 @@ def test_rows_whose_nucleus_is_wide_widen_their_candidates(monkeypatch: pytest.M
         SamplingParams(temperature=1.0, top_p=0.9, seed=7),
     ]
     _all_paths_agree(logits, params, monkeypatch)
+
+
+def test_wide_nuclei_take_a_sized_candidate_set_with_the_same_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose nucleus holds thousands of tokens (a small model at temperature 0.8): past the fixed
+    candidate sets, a count sized by _nucleus_bound gives the full sort's draws without the full sort."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 49_152, generator=g) * 2.5
+    logits[3] *= 1.6  # a narrower one, still past 1,024 tokens
+    tops = (0.9, 0.5, 0.95, 0.9, 0.7, 0.8)
+    params = [SamplingParams(temperature=0.8, top_p=p, seed=s) for s, p in enumerate(tops)]
+    sorted_calls: list[int] = []
+    real_topk = torch.Tensor.topk
+
+    def spy(self: torch.Tensor, k: int, *args: object, **kw: object) -> object:
+        sorted_calls.append(k)
+        return real_topk(self, k, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "topk", spy)
+    sample(logits, params, list(range(6)))
+    assert max(sorted_calls) < 49_152 // 2, sorted_calls  # never the whole vocabulary
+    assert max(sorted_calls) > 1_024, sorted_calls  # the fixed candidate sets were too small
+    monkeypatch.setattr(torch.Tensor, "topk", real_topk)
+    _all_paths_agree(logits, params, monkeypatch)
+
+
+def test_the_nucleus_bound_covers_the_nucleus() -> None:
+    g = torch.Generator().manual_seed(5)
+    scaled = torch.randn(8, 20_000, generator=g) * torch.linspace(0.5, 4, 8)[:, None]
+    top_p = torch.tensor([0.5, 0.8, 0.9, 0.95, 0.99, 0.9, 0.7, 0.3])
+    bound = sampling._nucleus_bound(scaled, torch.logsumexp(scaled, dim=-1), top_p)
+    probs = torch.softmax(scaled.double(), dim=-1).sort(dim=-1, descending=True).values
+    nucleus = ((probs.cumsum(dim=-1) - probs) < top_p.double()[:, None]).sum(dim=-1)
+    assert bool((bound >= nucleus).all()), (bound, nucleus)
+    assert bool((bound < 20_000).all())
+
+
+def test_rows_that_keep_the_whole_vocabulary_need_no_order() -> None:
+    """top_p 1 and no top_k: drawn in vocabulary order, with the softmax's own distribution."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0, 0.5]])
+    p = SamplingParams(temperature=1.0, top_p=1.0, seed=9)
+    n = 20_000
+    seen = Counter(sample(logits, [p], [o])[0] for o in range(n))
+    want = torch.softmax(logits[0].double(), dim=-1)
+    for t in range(5):
+        assert abs(seen[t] / n - float(want[t])) < 0.015, (t, seen[t] / n, float(want[t]))
 
 
 def test_a_rows_draw_does_not_depend_on_its_batch() -> None:

@@ -662,6 +662,9 @@ def render_noisy(n: dict[str, Any] | None) -> list[str]:
         )
     lines += [
         "",
+        f"The heavy user held at most {n['fifo'].get('heavy_streams_max', '—')} streams at once under FIFO"
+        f" and {n['fair'].get('heavy_streams_max', '—')} under fair share (streaming, not yet ended).",
+        "",
         f"Light TTFT p99, fair / alone: **{_f(ratios['fair_p99_vs_alone'], 2)}x** (target ≤ 2x); fair / FIFO:"
         f" **{_f(ratios['fair_p99_vs_fifo'], 2)}x** (target ≤ 0.5x). Total throughput, fair / FIFO:"
         f" **{_f(ratios['fair_tok_s_vs_fifo'], 2)}x** (target ≥ 0.95x).",

@@ -37,7 +37,7 @@ from typing import Any
 
 import jwt
 
-from protocol import Accepted, Chat, Delta, Done, Error, Params, ServerFrame
+from protocol import Accepted, Chat, Delta, Done, Error, Message, Params, ServerFrame
 from server.client import Client
 from server.load.report import percentile
 
@@ -69,6 +69,8 @@ class Tally:
     light_streams: list[float] = field(default_factory=list)  # tokens/s of each finished light stream
     requests: dict[str, int] = field(default_factory=lambda: {"light": 0, "heavy": 0})
     errors: list[str] = field(default_factory=list)
+    heavy_live: int = 0  # heavy streams that have a first token and no end yet
+    heavy_live_max: int = 0  # the most of them at once: did the heavy user really hold many streams?
 
 
 class Conn:
@@ -95,7 +97,9 @@ class Conn:
         rid = uuid.uuid4().hex
         q: asyncio.Queue[ServerFrame] = asyncio.Queue()
         self.queues[rid] = q
-        await self.client.send(Chat(id=rid, content=content, params=params))
+        # Messages mode: each chat stands alone. Content-mode turns of one session run one after
+        # another (SPEC 4.2), which would hold the heavy user to one stream per connection.
+        await self.client.send(Chat(id=rid, messages=(Message("user", content),), params=params))
         return rid, q
 
     async def close(self) -> None:
@@ -129,6 +133,9 @@ async def one_chat(
                 if isinstance(frame, Delta):
                     if first is None:
                         first = now
+                        if not light:
+                            tally.heavy_live += 1
+                            tally.heavy_live_max = max(tally.heavy_live_max, tally.heavy_live)
                         if in_window:
                             tally.light_ttft.append(now - sent)
                             tally.light_waiting.pop(rid, None)
@@ -148,6 +155,8 @@ async def one_chat(
                     return
         finally:
             conn.queues.pop(rid, None)
+            if not light and first is not None:
+                tally.heavy_live -= 1
 
 
 @dataclass(slots=True)
@@ -162,6 +171,7 @@ class PhaseRun:
     span: float
     requests: dict[str, int]
     errors: list[str]
+    heavy_live_max: int
 
 
 async def run_phase(url: str, secret: str, args: argparse.Namespace, heavy: bool) -> PhaseRun:
@@ -239,6 +249,7 @@ async def run_phase(url: str, secret: str, args: argparse.Namespace, heavy: bool
         span=w1 - w0,
         requests=dict(tally.requests),
         errors=tally.errors,
+        heavy_live_max=tally.heavy_live_max,
     )
 
 
@@ -267,6 +278,7 @@ def summary(runs: list[PhaseRun], scheduling: str) -> dict[str, Any]:
         "tok_s": round((light + heavy) / span, 1),
         "tok_s_by_round": [round((r.light_tokens + r.heavy_tokens) / r.span, 1) for r in runs],
         "heavy_tok_s": round(heavy / span, 1),
+        "heavy_streams_max": max((r.heavy_live_max for r in runs), default=0),
         "requests_done": {k: sum(r.requests[k] for r in runs) for k in ("light", "heavy")},
         "errors": errors[:10],
         "error_count": len(errors),

@@ -177,3 +177,24 @@ async def test_offset_mismatch_requeues_then_fails_never_stays_running(
     last = (await redis.xrange(item.log_key))[-1]
     assert last[0] == b"2-2" and last[1][b"e"] == b"internal"
     assert await redis.xlen(keys.queue) == 0
+
+
+async def test_touch_and_retry_only_extend_the_detach_deadline(redis: aioredis.Redis, keys: Keys) -> None:
+    # A background HTTP response gets a long deadline; a WebSocket resume (touch) or a retry of the same
+    # request (submit → attach) with the usual 30 s must not shorten it (it would then be cancelled 30 s
+    # after that client left, though nobody needs to stay attached to a background response).
+    store = RequestStore(redis, keys, Settings(detach_timeout_ms=30_000))
+    await store.submit("u", "r", "fp", PAYLOAD, detach_timeout_ms=3_600_000)
+    req = keys.request("u", "r")
+    long = int(await redis.hget(req, "attached_until") or 0)
+    assert await store.touch([req]) == 1
+    assert int(await redis.hget(req, "attached_until") or 0) == long
+    assert (await store.submit("u", "r", "fp", PAYLOAD)).outcome == "attach"
+    assert int(await redis.hget(req, "attached_until") or 0) == long
+    # An ordinary request's deadline still moves forward with each touch.
+    await store.submit("u", "s", "fp", {**PAYLOAD, "id": "s"})
+    short = keys.request("u", "s")
+    before = int(await redis.hget(short, "attached_until") or 0)
+    await asyncio.sleep(0.01)
+    assert await store.touch([short]) == 1
+    assert int(await redis.hget(short, "attached_until") or 0) > before

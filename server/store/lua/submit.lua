@@ -21,8 +21,12 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local existing = redis.call('HMGET', req, 'fp', 'epoch', 'state')
 if existing[1] then
   if existing[1] == ARGV[3] then
-    -- A retry is also a sign of life: the client is attached again.
-    redis.call('HSET', req, 'attached_until', now + tonumber(ARGV[9]))
+    -- A retry is also a sign of life: the client is attached again. Only ever extended (as touch.lua):
+    -- a background response's long deadline survives a retry that carries the usual detach timeout.
+    local deadline = now + tonumber(ARGV[9])
+    if tonumber(redis.call('HGET', req, 'attached_until') or '0') < deadline then
+      redis.call('HSET', req, 'attached_until', deadline)
+    end
     return {'attach', tonumber(existing[2]), existing[3]}
   end
   return {'conflict', 0, existing[3]}

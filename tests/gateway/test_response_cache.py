@@ -113,7 +113,7 @@ async def test_cached_answers_are_served_under_overload(
     ) as server:
         greedy = Params(temperature=0, max_tokens=5)
         first = await _ask(server.url, greedy, "warm", "ann")
-        await redis.set(keys.queued_count, 100)  # the queue is "full" from now on
+        await redis.set(keys.queued_count(), 100)  # the queue is "full" from now on
         c = await Client.connect(server.url, token=_token("ann"))
         _, _, done, errors = await collect(c.chat("something new", params=greedy))
         assert done is None and [e.code for e in errors] == ["overloaded"]

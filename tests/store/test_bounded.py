@@ -29,14 +29,14 @@ async def test_started_entries_leave_the_queues(redis: aioredis.Redis, keys: Key
     for i in range(20):
         await _run_one(store, "w1", f"r{i}")
     # Before: every request ever made stayed in the stream (XADD without a bound, XACK only).
-    assert await redis.xlen(keys.queue) == 0
+    assert await redis.xlen(keys.queue()) == 0
     assert await redis.xlen(keys.worker_queue("w1")) == 0
     # An entry whose request expired is consumed too.
     await store.submit("u", "gone", "fp", {**PAYLOAD, "id": "gone"})
     await redis.delete(keys.request("u", "gone"))
     [(queue, entry_id, req_key)] = await store.take("w1", count=1, block_ms=200)
     assert await store.start("w1", entry_id, req_key, queue) is None
-    assert await redis.xlen(keys.queue) == 0
+    assert await redis.xlen(keys.queue()) == 0
     assert await store.queued() == 1  # the counter is the submit's (the hash was removed by hand)
 
 
@@ -56,15 +56,15 @@ async def test_reaping_moves_only_unstarted_work(redis: aioredis.Redis, keys: Ke
     assert await store.reap("w1") == 0  # nothing was running
     # Before: the five finished requests' history was re-added too, and the read entry stayed pending to
     # a consumer that is gone, so its request was queued forever.
-    entries = await redis.xrange(keys.queue)
+    entries = await redis.xrange(keys.queue())
     assert sorted(f[b"req"].decode() for _, f in entries) == sorted(r for _, _, r in got)
-    consumers = await redis.xinfo_consumers(keys.queue, RequestStore.GROUP)
+    consumers = await redis.xinfo_consumers(keys.queue(), RequestStore.GROUP)
     assert [c["name"] for c in consumers] == []
     await store.ensure_group("w2")
     again = await store.take("w2", count=10, block_ms=200)
     started = [await store.start("w2", e, r, q) for q, e, r in again]
     assert all(s is not None for s in started) and len(started) == 2
-    assert await redis.xlen(keys.queue) == 0
+    assert await redis.xlen(keys.queue()) == 0
 
 
 async def test_entries_read_but_not_started_are_read_again(redis: aioredis.Redis, keys: Keys) -> None:

@@ -123,13 +123,13 @@ async def test_affinity_queue_and_its_reaping(redis: aioredis.Redis, keys: Keys)
     assert await store.live_workers() == {"w2": (0, 0)}
     assert await store.reap("w1") == 0  # nothing was running
     taken = await store.take("w2", count=5, block_ms=50)
-    assert [(q, k) for q, _, k in taken] == [(keys.queue, keys.request("u", x)) for x in ("a", "b")]
+    assert [(q, k) for q, _, k in taken] == [(keys.queue(), keys.request("u", x)) for x in ("a", "b")]
     for queue, entry_id, req_key in taken:
         assert await store.start("w2", entry_id, req_key, queue) is not None
     # With w1's lease gone, a request preferring it goes to the shared queue, never to a dead queue.
     await store.submit("u", "c", "fp", {**PAYLOAD, "id": "c"}, prefer="w1")
     [(queue, _, _)] = await store.take("w2", count=5, block_ms=50)
-    assert queue == keys.queue
+    assert queue == keys.queue()
     assert not await redis.exists(keys.worker_queue("w1"))
 
 
@@ -176,7 +176,7 @@ async def test_offset_mismatch_requeues_then_fails_never_stays_running(
     assert info is not None and (info.state, info.finish_reason) == ("failed", "error")
     last = (await redis.xrange(item.log_key))[-1]
     assert last[0] == b"2-2" and last[1][b"e"] == b"internal"
-    assert await redis.xlen(keys.queue) == 0
+    assert await redis.xlen(keys.queue()) == 0
 
 
 async def test_touch_and_retry_only_extend_the_detach_deadline(redis: aioredis.Redis, keys: Keys) -> None:

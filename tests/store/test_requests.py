@@ -81,7 +81,7 @@ async def test_lifecycle_log_and_history(redis: aioredis.Redis, keys: Keys) -> N
         5,
         "stop",
     )
-    history = await redis.lrange(keys.history("s1"), 0, -1)
+    history = await redis.lrange(keys.history("s1", "u1"), 0, -1)
     assert [json.loads(h) for h in history] == [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "Hello! Bye"},
@@ -103,13 +103,13 @@ async def test_cancel_queued_running_finished_unknown(redis: aioredis.Redis, key
     assert entries[-1][1][b"d"] == b"cancelled"
     assert await store.cancel("u1", "nope") is None
     # A cancelled turn leaves no history.
-    assert await redis.llen(keys.history("s1")) == 0
+    assert await redis.llen(keys.history("s1", "u1")) == 0
 
     await store.submit("u1", "q", "fp", {**PAYLOAD, "id": "q"})
     assert await store.cancel("u1", "q") == "queued"
     [(queue, entry_id, req_key)] = await store.take("w1", count=10, block_ms=100)
     assert await store.start("w1", entry_id, req_key, queue) is None  # cancelled while waiting: never runs
-    assert int(await redis.get(keys.queued_count) or 0) == 0
+    assert int(await redis.get(keys.queued_count()) or 0) == 0
 
 
 async def test_queue_limit_refuses_with_overloaded(redis: aioredis.Redis, keys: Keys) -> None:
@@ -125,7 +125,7 @@ async def test_log_reader_replays_then_follows(redis: aioredis.Redis, keys: Keys
     item = await _started(store)
     await store.write_step([StepOp(item, 0, 1, "a", 1), StepOp(item, 1, 1, "b", 1)], "w1")
     reader_r = aioredis.from_url(redis_url)
-    reader = LogReader(reader_r, keys.wake("test"), block_ms=1000)
+    reader = LogReader(reader_r, keys, "test", block_ms=1000)
     reader.start()
     try:
         from_start = reader.subscribe(item.log_key, 0)
@@ -157,17 +157,18 @@ async def test_log_reader_subscriber_joining_mid_read_still_starts_at_its_offset
     item = await _started(store)
     await store.write_step([StepOp(item, i, 1, f"t{i}", 1) for i in range(5)], "w1")
     reader_r = aioredis.from_url(redis_url)
-    reader = LogReader(reader_r, keys.wake("test"), block_ms=1000)
+    reader = LogReader(reader_r, keys, "test", block_ms=1000)
     reader.start()
     try:
         ahead = reader.subscribe(item.log_key, 5)  # the read now blocks waiting for offset 5
         await asyncio.sleep(0.2)
         # Join without waking the reader, so that the in-flight read (from offset 5) returns the next
         # entry first: the worst case of a wake-up that arrives after the write.
-        wake = reader._wake
-        reader._wake = asyncio.Event()
+        part = reader.reader_for(item.log_key)
+        wake = part._wake
+        part._wake = asyncio.Event()
         late = reader.subscribe(item.log_key, 0)
-        reader._wake = wake
+        part._wake = wake
         await store.write_step([StepOp(item, 5, 1, "t5", 1)], "w1")
         got = [await asyncio.wait_for(late.queue.get(), 5) for _ in range(6)]
         assert [e.offset for e in got] == [0, 1, 2, 3, 4, 5]

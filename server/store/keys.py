@@ -94,7 +94,11 @@ class Keys:
     def history(self, session: str, owner: str) -> str:
         """A session's messages. A session has one owner (its token is signed for that owner), so its keys
         live in the owner's partition and finish.lua appends a turn in the same transition."""
-        return f"{self._own(owner)}hist:{session}"
+        return self.history_in(self.partition(owner), session)
+
+    def history_in(self, partition: int, session: str) -> str:
+        """:meth:`history` by the partition (of the owner's request keys) rather than the owner."""
+        return f"{self._base(partition)}hist:{session}"
 
     def session(self, session: str, owner: str) -> str:
         return f"{self._own(owner)}sess:{session}"

@@ -417,7 +417,7 @@ class RequestStore:
         return WorkItem(
             req_key=req_key,
             log_key=log_key,
-            history_key=self.keys.history(payload.get("session") or "-", str(payload.get("owner") or "")),
+            history_key=self.keys.history_in(p, payload.get("session") or "-"),
             payload=payload,
             completion_tokens=int(res[1]),
             epoch=int(res[2]),
@@ -450,52 +450,56 @@ class RequestStore:
             return []
         st = self.settings
         k = self.keys
-        pipe = self.r.pipeline(transaction=False)
+        scripted: list[tuple[AsyncScript, list[str], list[Any]]] = []
         calls: list[int] = []
         for op in ops:
             n = 0
             p = self.partition_of(op.item.req_key)
             wreqs = k.worker_requests(worker, p)
             if op.n > 0:
-                await self._append(
-                    keys=[op.item.req_key, op.item.log_key, wreqs, k.queue(p), k.queued_count(p)],
-                    args=[
-                        worker,
-                        op.offset,
-                        op.n,
-                        op.text,
-                        op.prompt_tokens,
-                        ",".join(map(str, op.token_ids)),
-                        st.retention_ms,
-                        MAX_MISMATCH_REQUEUES,
-                    ],
-                    client=pipe,
+                scripted.append(
+                    (
+                        self._append,
+                        [op.item.req_key, op.item.log_key, wreqs, k.queue(p), k.queued_count(p)],
+                        [
+                            worker,
+                            op.offset,
+                            op.n,
+                            op.text,
+                            op.prompt_tokens,
+                            ",".join(map(str, op.token_ids)),
+                            st.retention_ms,
+                            MAX_MISMATCH_REQUEUES,
+                        ],
+                    )
                 )
                 n += 1
             if op.finish is not None:
-                await self._finish(
-                    keys=[
-                        op.item.req_key,
-                        op.item.log_key,
-                        op.item.history_key,
-                        wreqs,
-                    ],
-                    args=[
-                        worker,
-                        op.finish,
-                        op.prompt_tokens,
-                        op.reply_text,
-                        st.retention_ms,
-                        op.error_code,
-                        op.error_message,
-                        st.history_max_messages,
-                        st.session_ttl_ms,
-                    ],
-                    client=pipe,
+                scripted.append(
+                    (
+                        self._finish,
+                        [
+                            op.item.req_key,
+                            op.item.log_key,
+                            op.item.history_key,
+                            wreqs,
+                        ],
+                        [
+                            worker,
+                            op.finish,
+                            op.prompt_tokens,
+                            op.reply_text,
+                            st.retention_ms,
+                            op.error_code,
+                            op.error_message,
+                            st.history_max_messages,
+                            st.session_ttl_ms,
+                        ],
+                    )
                 )
                 n += 1
             calls.append(n)
-        results = await self._run_pipeline(pipe)
+        results = await self._run_scripts(scripted)
         out: list[bool] = []
         caches: list[tuple[str, Any]] = []
         i = 0
@@ -517,15 +521,23 @@ class RequestStore:
             await execute(cpipe)
         return out
 
-    async def _run_pipeline(self, pipe: Any) -> list[Any]:
-        """Execute a pipeline of script calls. A cluster pipeline does not load scripts first: on NOSCRIPT
-        (a node restarted or failed over since they were loaded) load them everywhere and raise, so that
-        the caller retries the step (append and finish recognise a repeat of their own writes)."""
-        try:
-            return list(await execute(pipe))
-        except NoScriptError:
-            await self.load_scripts()
-            raise
+    async def _run_scripts(self, calls: list[tuple[AsyncScript, list[str], list[Any]]]) -> list[Any]:
+        """Run script calls in one non-transactional pipeline (on a cluster: one per node, sent at once)
+        by EVALSHA: a cluster pipeline refuses redis-py's script objects, which would load them first. On
+        NOSCRIPT (a fresh server, or a node restarted or failed over) load them everywhere and run the
+        calls again: every script run here is safe to repeat (append and finish recognise a repeat of
+        their own writes)."""
+        for attempt in (1, 2):
+            pipe = self.r.pipeline(transaction=False)
+            for script, keys, args in calls:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            try:
+                return list(await execute(pipe))
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                await self.load_scripts()
+        raise AssertionError("unreachable")
 
     async def heartbeat(self, worker: str, running: int = 0, capacity: int = 0) -> list[str]:
         """Renew this worker's lease and publish its load; returns workers whose leases have lapsed."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -26,7 +28,9 @@ async def _started(store: RequestStore, worker: str = "w1"):  # type: ignore[no-
         "u1", "r1", "fp1", PAYLOAD, session="s1", user_message={"role": "user", "content": "hi"}
     )
     assert res.outcome == "new"
-    [(queue, entry_id, req_key)] = await store.take(worker, count=10, block_ms=100)
+    [(queue, entry_id, req_key)] = await store.take(
+        worker, partition=store.keys.partition("u1"), count=10, block_ms=100
+    )
     item = await store.start(worker, entry_id, req_key, queue)
     assert item is not None
     return item
@@ -44,7 +48,21 @@ async def test_submit_is_idempotent_by_fingerprint(redis: aioredis.Redis, keys: 
     assert other.outcome == "conflict"
     assert other_user.outcome == "new"  # ids are scoped by owner
     # Only the two new requests were queued: an attach never queues a second generation.
-    assert len(await store.take("w1", count=10, block_ms=100)) == 2
+    taken = [
+        e
+        for p in {keys.partition("u1"), keys.partition("u2")}
+        for e in await store.take("w1", 10, 100, partition=p)
+    ]
+    assert len(taken) == 2
+
+
+async def test_queue_limit_counts_every_partition(redis: aioredis.Redis, keys: Keys) -> None:
+    # The limit is global: owners in different partitions (on a cluster) share it.
+    store = RequestStore(redis, keys, Settings(max_queued=3))
+    await store.ensure_group()
+    outcomes = [(await store.submit(f"u{i}", "r", "fp", PAYLOAD)).outcome for i in range(5)]
+    assert outcomes == ["new", "new", "new", "overloaded", "overloaded"]
+    assert await store.queued() == 3
 
 
 async def test_lifecycle_log_and_history(redis: aioredis.Redis, keys: Keys) -> None:
@@ -60,7 +78,9 @@ async def test_lifecycle_log_and_history(redis: aioredis.Redis, keys: Keys) -> N
     # Out-of-order or repeated offsets are refused (no gap, no repeat): the request goes back to the queue
     # and is continued after the tokens logged.
     assert await store.write_step([StepOp(item, 1, 1, "x", 5)], "w1") == [False]
-    [(queue, entry_id, req_key)] = await store.take("w1", count=10, block_ms=100)
+    [(queue, entry_id, req_key)] = await store.take(
+        "w1", partition=store.keys.partition("u1"), count=10, block_ms=100
+    )
     item = await store.start("w1", entry_id, req_key, queue)
     assert item is not None and item.completion_tokens == 3
     # A worker that does not hold the request cannot write.
@@ -107,9 +127,11 @@ async def test_cancel_queued_running_finished_unknown(redis: aioredis.Redis, key
 
     await store.submit("u1", "q", "fp", {**PAYLOAD, "id": "q"})
     assert await store.cancel("u1", "q") == "queued"
-    [(queue, entry_id, req_key)] = await store.take("w1", count=10, block_ms=100)
+    [(queue, entry_id, req_key)] = await store.take(
+        "w1", partition=store.keys.partition("u1"), count=10, block_ms=100
+    )
     assert await store.start("w1", entry_id, req_key, queue) is None  # cancelled while waiting: never runs
-    assert int(await redis.get(keys.queued_count()) or 0) == 0
+    assert int(await redis.get(keys.queued_count(keys.partition("u1"))) or 0) == 0
 
 
 async def test_queue_limit_refuses_with_overloaded(redis: aioredis.Redis, keys: Keys) -> None:
@@ -120,11 +142,13 @@ async def test_queue_limit_refuses_with_overloaded(redis: aioredis.Redis, keys: 
     assert await store.get("u", "r2") is None  # a refused request leaves nothing behind
 
 
-async def test_log_reader_replays_then_follows(redis: aioredis.Redis, keys: Keys, redis_url: str) -> None:
+async def test_log_reader_replays_then_follows(
+    redis: aioredis.Redis, keys: Keys, new_client: Callable[[], Any]
+) -> None:
     store = RequestStore(redis, keys)
     item = await _started(store)
     await store.write_step([StepOp(item, 0, 1, "a", 1), StepOp(item, 1, 1, "b", 1)], "w1")
-    reader_r = aioredis.from_url(redis_url)
+    reader_r = new_client()
     reader = LogReader(reader_r, keys, "test", block_ms=1000)
     reader.start()
     try:
@@ -149,14 +173,14 @@ async def test_log_reader_replays_then_follows(redis: aioredis.Redis, keys: Keys
 
 
 async def test_log_reader_subscriber_joining_mid_read_still_starts_at_its_offset(
-    redis: aioredis.Redis, keys: Keys, redis_url: str
+    redis: aioredis.Redis, keys: Keys, new_client: Callable[[], Any]
 ) -> None:
     """A subscription made while the blocking read waits past its position must still get every entry
     from its own offset, in order (the in-flight read's batch skips what it needs)."""
     store = RequestStore(redis, keys)
     item = await _started(store)
     await store.write_step([StepOp(item, i, 1, f"t{i}", 1) for i in range(5)], "w1")
-    reader_r = aioredis.from_url(redis_url)
+    reader_r = new_client()
     reader = LogReader(reader_r, keys, "test", block_ms=1000)
     reader.start()
     try:
@@ -190,7 +214,7 @@ async def test_per_user_limit_counts_queued_and_running_requests(redis: aioredis
     assert (await store.submit("u2", "x", "fp", PAYLOAD)).outcome == "new"  # per user
 
     # Running counts too; a request that ends in any way frees its place: finished, cancelled, expired.
-    entries = await store.take("w1", count=10, block_ms=100)
+    entries = await store.take("w1", partition=store.keys.partition("u1"), count=10, block_ms=100)
     items = {i.req_key: i for q, e, k in entries if (i := await store.start("w1", e, k, q)) is not None}
     item_a = items[keys.request("u1", "a")]
     assert (await store.submit("u1", "c", "fp", PAYLOAD)).outcome == "user_limit"

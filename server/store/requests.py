@@ -506,8 +506,9 @@ class RequestStore:
         for op, n in zip(ops, calls, strict=True):
             held = True
             for res in results[i : i + n]:
-                if isinstance(res, bytes | str) and op.item.cache_key:
-                    caches.append((op.item.cache_key, res))  # finished normally: its cache entry
+                if isinstance(res, bytes | str):  # finish.lua: ended normally, here is its cache entry
+                    if op.item.cache_key:
+                        caches.append((op.item.cache_key, res))
                 elif int(res) != 1:
                     held = False
             out.append(held)

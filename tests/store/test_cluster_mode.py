@@ -3,6 +3,7 @@ client and the partitioned keys; a plain Redis keeps one partition and the key n
 
 from __future__ import annotations
 
+import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
@@ -69,3 +70,26 @@ def test_every_key_of_an_owner_shares_its_partition_slot() -> None:
     assert k.log_of(k.request("alice", "r")) == k.log("alice", "r")
     assert key_slot(k.workers.encode()) == key_slot(k.workers_load.encode())
     assert len({key_slot(k.queue(q).encode()) for q in range(CLUSTER_PARTITIONS)}) == CLUSTER_PARTITIONS
+
+
+def test_a_local_cluster_needs_its_password_and_leaves_nothing_behind() -> None:
+    import redis as sync_redis
+
+    from server.store.valkey_cluster import EmbeddedValkeyCluster
+
+    cluster = EmbeddedValkeyCluster(2)
+    url = cluster.start(timeout=60)
+    try:
+        procs = [n.proc for n in cluster.nodes]
+        folders = [n.folder for n in cluster.nodes]
+        rc = sync_redis.RedisCluster.from_url(url)
+        assert len(rc.get_primaries()) == 2 and rc.cluster_info()["cluster_state"] == "ok"
+        rc.close()
+        stranger = sync_redis.Redis(host="127.0.0.1", port=cluster.nodes[0].port)
+        with pytest.raises(sync_redis.AuthenticationError):
+            stranger.ping()
+        stranger.close()
+    finally:
+        cluster.stop()
+    assert all(p is not None and p.poll() is not None for p in procs)  # the nodes have exited
+    assert not any(f.exists() for f in folders)  # and their data folders are gone

@@ -233,3 +233,36 @@ async def test_no_per_user_limit_by_default(redis: aioredis.Redis, keys: Keys) -
     await store.ensure_group()
     assert {(await store.submit("u1", f"r{i}", "fp", PAYLOAD)).outcome for i in range(20)} == {"new"}
     assert not await redis.exists(keys.inflight("u1"))
+
+
+async def test_one_step_spans_partitions_and_a_shared_cache_entry_crosses_slots(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    """One engine step writes requests of owners in several partitions (on a cluster: several masters,
+    one pipeline), and the shared response-cache entry of one of them is written after its transition
+    (another slot) and answers another owner's identical request."""
+    store = RequestStore(redis, keys)
+    await store.ensure_group("w1")
+    owners = [f"u{i}" for i in range(6)]
+    for o in owners:
+        cache = "same-question" if o == "u0" else ""
+        res = await store.submit(o, "r", "fp", {**PAYLOAD, "owner": o}, cache_key=cache, shared_cache=True)
+        assert res.outcome == "new"
+    items = []
+    for p in sorted({keys.partition(o) for o in owners}):
+        for queue, entry_id, req_key in await store.take("w1", 10, 100, partition=p):
+            item = await store.start("w1", entry_id, req_key, queue)
+            assert item is not None
+            items.append(item)
+    assert len(items) == len(owners)
+    ops = [StepOp(it, 0, 2, "ok", 3, token_ids=(1, 2), finish="stop", reply_text="ok") for it in items]
+    assert await store.write_step(ops, "w1") == [True] * len(owners)
+    for o in owners:
+        info = await store.get(o, "r")
+        assert info is not None and (info.state, info.completion_tokens) == ("done", 2)
+    # The cache entry written after u0's finish answers another owner at once, without a worker.
+    hit = await store.submit(
+        "v", "r", "fp", {**PAYLOAD, "owner": "v"}, cache_key="same-question", shared_cache=True
+    )
+    assert (hit.outcome, hit.state) == ("cached", "done")
+    assert [e[1][b"t"] for e in await redis.xrange(keys.log("v", "r")) if b"t" in e[1]] == [b"ok"]

@@ -93,3 +93,10 @@ def test_a_local_cluster_needs_its_password_and_leaves_nothing_behind() -> None:
         cluster.stop()
     assert all(p is not None and p.poll() is not None for p in procs)  # the nodes have exited
     assert not any(f.exists() for f in folders)  # and their data folders are gone
+
+
+def test_a_prefix_with_braces_is_refused_on_a_cluster() -> None:
+    # A brace in the prefix would become every key's hash tag: all partitions on one slot.
+    Keys("t{w}:", 1)  # harmless on a plain Redis
+    with pytest.raises(ValueError, match="braces"):
+        Keys("t{w}:", CLUSTER_PARTITIONS)

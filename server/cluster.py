@@ -1,6 +1,7 @@
 """``tokenwire cluster``: a local cluster for demos and tests — one shared Redis (embedded Valkey unless
-``--redis-url``; with ``--redis-shards N`` a local Valkey cluster of N masters), N gateway processes on consecutive ports and M worker processes, all stopped together
-on Ctrl-C or SIGTERM (each gets SIGTERM first, so gateways close with 1012 and workers drain)."""
+``--redis-url``; with ``--redis-shards N`` a local Valkey cluster of N masters), N gateway processes on
+consecutive ports and M worker processes, all stopped together on Ctrl-C or SIGTERM (each gets SIGTERM
+first, so gateways close with 1012 and workers drain)."""
 
 from __future__ import annotations
 

@@ -15,10 +15,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.cluster import RedisCluster
 
 from server.gateway.server import WS_PATH, Gateway, GatewaySettings
 from server.gctune import tune_for_long_lived_objects
-from server.store.keys import Keys
+from server.store.keys import CLUSTER_PARTITIONS, Keys
 from server.store.requests import RequestStore, Settings
 from server.store.sessions import SessionStore, shared_secret
 
@@ -65,15 +66,11 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
-async def refuse_cluster(r: aioredis.Redis) -> None:
-    """Stop with a clear message on a Redis Cluster, which the store does not support yet (its scripts
-    would fail later with CROSSSLOT or MOVED, in the middle of serving)."""
+async def is_cluster(r: aioredis.Redis) -> bool:
+    """Whether ``r`` is a Redis Cluster (or Valkey cluster) node: ``INFO cluster`` says
+    ``cluster_enabled:1``. No flag: the URL of any node is enough."""
     info = await r.info("cluster")
-    if int(info.get("cluster_enabled", 0)):
-        raise SystemExit(
-            "tokenwire: this Redis is a Redis Cluster node; the store needs one shard (non-cluster mode) "
-            "for now: see deploy/README.md, 'Managed Redis'"
-        )
+    return bool(int(info.get("cluster_enabled", 0)))
 
 
 @contextlib.asynccontextmanager
@@ -92,20 +89,36 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
     # "Too many connections" (redis-py's default pool raises past 100).
     # from_pool: the client owns the pool, so closing it closes the pool's connections too. The URL may
     # be redis://[user:password@]host, rediss:// (TLS) or unix://path (the embedded Valkey).
-    r = aioredis.Redis.from_pool(
+    r: Any = aioredis.Redis.from_pool(
         aioredis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30)
     )
-    reader = aioredis.from_url(url)
+    reader: Any = aioredis.from_url(url)
     try:
         try:
             await asyncio.wait_for(r.ping(), 10)
+            cluster = await is_cluster(r)
         except (aioredis.RedisError, OSError, TimeoutError) as exc:
             where = "the embedded Valkey" if valkey is not None else f"Redis at {_redacted(url)}"
             raise StartupError(
                 f"cannot reach {where}: {exc or type(exc).__name__}. Start it, or pass the right --redis-url"
             ) from None
-        await refuse_cluster(r)
-        yield StoreHandles(r, reader, RequestStore(r, Keys(cfg.key_prefix), cfg.store), url)
+        keys = Keys(cfg.key_prefix)
+        if cluster:
+            # A Redis Cluster: redis-py's cluster client (it follows MOVED/ASK and routes each command by
+            # its keys' slot), and the work queue in CLUSTER_PARTITIONS partitions (server/store/keys.py).
+            await r.aclose()
+            await reader.aclose()
+            r = RedisCluster.from_url(url)
+            reader = RedisCluster.from_url(url)
+            try:
+                keys = Keys(cfg.key_prefix, CLUSTER_PARTITIONS)
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
+            log.info("store.cluster", nodes=len(await r.cluster_nodes()), partitions=keys.partitions)
+        store = RequestStore(r, keys, cfg.store)
+        if cluster:
+            await store.load_scripts()  # a cluster pipeline does not load them itself
+        yield StoreHandles(r, reader, store, url)
     finally:
         await r.aclose()
         await reader.aclose()

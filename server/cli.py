@@ -341,6 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--host", default="127.0.0.1", help="address the gateways listen on")
     k.add_argument("--port", type=_port, default=8765, help="first gateway's port; the others follow")
     k.add_argument("--redis-url", help="shared Redis (default: start an embedded Valkey)")
+    k.add_argument(
+        "--redis-shards",
+        type=int,
+        default=0,
+        help="instead of one embedded Valkey, start a local Valkey cluster of this many masters (a demo of "
+        "cluster mode: TCP ports on 127.0.0.1 with a random password, data in a temporary folder that goes "
+        "when it stops)",
+    )
     k.add_argument("--data-dir", help="embedded Valkey data (default $TOKENWIRE_DATA or ./.tokenwire)")
     k.add_argument("--key-prefix", default="tw:", help="prefix of every Redis key")
     k.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")

@@ -1,6 +1,7 @@
 """``tokenwire cluster``: a local cluster for demos and tests — one shared Redis (embedded Valkey unless
-``--redis-url``), N gateway processes on consecutive ports and M worker processes, all stopped together
-on Ctrl-C or SIGTERM (each gets SIGTERM first, so gateways close with 1012 and workers drain)."""
+``--redis-url``; with ``--redis-shards N`` a local Valkey cluster of N masters), N gateway processes on
+consecutive ports and M worker processes, all stopped together on Ctrl-C or SIGTERM (each gets SIGTERM
+first, so gateways close with 1012 and workers drain)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,35 @@ def _relay(name: str, proc: subprocess.Popen[str], ready: threading.Event) -> No
 
 def run_cluster(args: argparse.Namespace) -> int:
     from server.store.embedded import EmbeddedValkey
+    from server.store.valkey_cluster import EmbeddedValkeyCluster, ValkeyClusterError
 
-    valkey: EmbeddedValkey | None = None
+    valkey: EmbeddedValkey | EmbeddedValkeyCluster | None = None
+    shards = getattr(args, "redis_shards", 0)
     url = args.redis_url or os.environ.get("TOKENWIRE_REDIS_URL")
-    if not url:
+    if shards < 0:
+        print("tokenwire cluster: --redis-shards must be 1 or more (0: one embedded Valkey)", file=sys.stderr)
+        return 2
+    if shards and args.redis_url:
+        print(
+            "tokenwire cluster: --redis-shards starts its own Valkey cluster; drop --redis-url",
+            file=sys.stderr,
+        )
+        return 2
+    if shards:
+        # A Redis Cluster of its own: the processes find out from the URL (INFO cluster) and partition
+        # the work queue (server/store/keys.py).
+        valkey = EmbeddedValkeyCluster(shards)
+        try:
+            url = valkey.start()
+        except ValkeyClusterError as exc:
+            print(f"tokenwire cluster: {exc}", file=sys.stderr)
+            return 2
+        print(
+            f"tokenwire cluster: Valkey cluster of {shards} masters on 127.0.0.1 ports "
+            f"{', '.join(str(n.port) for n in valkey.nodes)}",
+            flush=True,
+        )
+    elif not url:
         valkey = EmbeddedValkey(Path(args.data_dir or os.environ.get("TOKENWIRE_DATA") or ".tokenwire"))
         url = valkey.start()
     common = [

@@ -25,6 +25,31 @@ def redis_url() -> Iterator[str]:
         yield server.connection_url
 
 
+@pytest.fixture(scope="session")
+def cluster_url() -> Iterator[str]:
+    """A real 3-master Valkey cluster of this test session (server/store/valkey_cluster.py), started the
+    first time a test asks for it and stopped (its nodes and data folder gone) when the session ends."""
+    from server.store.valkey_cluster import EmbeddedValkeyCluster
+
+    cluster = EmbeddedValkeyCluster(3)
+    try:
+        yield cluster.start(timeout=60)
+    finally:
+        cluster.stop()
+
+
+def delete_prefix_cluster(url: str, prefix: str) -> None:
+    """delete_prefix on a cluster: every primary's keys under the prefix."""
+    import redis as sync_redis
+
+    r = sync_redis.RedisCluster.from_url(url)
+    try:
+        for k in r.scan_iter(match=f"{prefix}*", count=500):
+            r.delete(k)
+    finally:
+        r.close()
+
+
 @pytest.fixture
 def keys() -> Keys:
     # Every test gets its own prefix and deletes only what is under it: we never flush shared data.

@@ -200,7 +200,7 @@ class Connection:
 
     async def _previous_turn(self, id: str) -> tuple[str, bool]:
         """The session's latest content-mode turn ("" if none) and whether it is still unfinished."""
-        prev = await self.gw.sessions.last_turn(self.session)
+        prev = await self.gw.sessions.last_turn(self.session, self.owner)
         if not prev or prev == id:
             return prev, False
         info = await self.gw.store.get(self.owner, prev)
@@ -295,7 +295,7 @@ class Connection:
         if chat.content is not None:
             turn_after = await self._wait_previous_turn(chat.id)
             user_message = {"role": "user", "content": chat.content}
-            messages = [*await self.gw.sessions.history(self.session), user_message]
+            messages = [*await self.gw.sessions.history(self.session, self.owner), user_message]
         else:
             messages = [m.to_wire() for m in chat.messages or ()]
         if await self.gw.degraded():

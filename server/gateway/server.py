@@ -91,7 +91,7 @@ class Gateway:
         self.sessions = sessions
         self.settings = settings
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self.reader = LogReader(reader_redis, store.keys.wake(self.name))
+        self.reader = LogReader(reader_redis, store.keys, self.name)
         self.router = Router(store)
         self.http = HttpApi(self)  # the OpenAI-compatible HTTP API on the same port (front_door.py)
         self.ready = ready

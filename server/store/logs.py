@@ -5,6 +5,10 @@ A gateway attaches many (connection, request) pairs to logs. Rather than one pol
 lowest position any of its subscribers still needs) and hands entries to subscribers. Attaching a new log
 XADDs to this reader's own wake stream, which is part of every XREAD, so the blocking read returns at once
 and the next one includes the new log.
+
+A command's keys must share a hash slot on a Redis Cluster, so the reader runs one such read per
+partition (keys.py: a log lives in its owner's partition, and so does the wake stream it reads with):
+one on a plain Redis, CLUSTER_PARTITIONS (each holding a connection) on a cluster.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from server.aio import cancel_and_wait
+from server.store.keys import Keys
 from server.store.requests import execute
 
 log = structlog.get_logger(__name__)
@@ -75,7 +80,42 @@ def _id_tuple(stream_id: str) -> tuple[int, int]:
 
 
 class LogReader:
-    """Fans token-log entries out to subscribers with one blocking read (see the module docstring)."""
+    """Fans token-log entries out to subscribers with one blocking read per partition (see the module
+    docstring)."""
+
+    def __init__(
+        self, r: aioredis.Redis, keys: Keys, name: str, *, block_ms: int = 2000, count: int = 256
+    ) -> None:
+        # ``r`` should be a client of its own: each partition's blocking XREAD holds a connection.
+        self.keys = keys
+        self._parts = [
+            PartitionReader(r, keys.wake(name, p), block_ms=block_ms, count=count)
+            for p in range(keys.partitions)
+        ]
+
+    def start(self) -> None:
+        for part in self._parts:
+            part.start()
+
+    async def stop(self) -> None:
+        for part in self._parts:
+            await part.stop()
+
+    def reader_for(self, key: str) -> PartitionReader:
+        """The partition's reader that serves the log at ``key``."""
+        return self._parts[self.keys.partition_of(key)]
+
+    def subscribe(self, key: str, offset: int) -> Subscription:
+        """Receive the log at ``key`` from token ``offset`` on (replay, then live) until unsubscribed
+        (see :meth:`PartitionReader.subscribe`)."""
+        return self.reader_for(key).subscribe(key, offset)
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self.reader_for(sub.key).unsubscribe(sub)
+
+
+class PartitionReader:
+    """The logs of one partition, read with one blocking XREAD (with the partition's wake stream)."""
 
     def __init__(self, r: aioredis.Redis, wake_key: str, *, block_ms: int = 2000, count: int = 256) -> None:
         # ``r`` should be a client of its own: a blocking XREAD holds its connection. ``block_ms`` stays

@@ -19,6 +19,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from server.store.keys import Keys
 
@@ -156,6 +157,34 @@ class RequestStore:
         self._touch = _load_script(r, "touch")
         self._heartbeat = _load_script(r, "heartbeat")
         self._reap = _load_script(r, "reap")
+        self._lease = _load_script(r, "lease")
+        self._live = _load_script(r, "live")
+
+    @property
+    def partitions(self) -> range:
+        """The work queue's partitions (keys.py): one on a plain Redis, CLUSTER_PARTITIONS on a cluster."""
+        return range(self.keys.partitions)
+
+    def partition_of(self, req_key: str) -> int:
+        return self.keys.partition_of(req_key)
+
+    async def load_scripts(self) -> None:
+        """Load every script on every primary (a cluster's SCRIPT LOAD goes to all of them). Scripts called
+        directly are loaded on demand anyway (NOSCRIPT → load → retry); this is for those queued in a
+        cluster pipeline, which redis-py does not load first."""
+        for script in (
+            self._submit,
+            self._start,
+            self._append,
+            self._finish,
+            self._cancel,
+            self._touch,
+            self._heartbeat,
+            self._reap,
+            self._lease,
+            self._live,
+        ):
+            await self.r.script_load(script.script)
 
     # ---- client side (gateway) ---------------------------------------------------------------
 
@@ -195,20 +224,30 @@ class RequestStore:
         """
         k = self.keys
         st = self.settings
+        p = k.partition(owner)
+        req = k.request(owner, id)
+        # Every key is in the owner's partition (one slot); one not needed is passed as the request's own.
         inflight = k.inflight(owner) if st.max_inflight_per_user else ""
         members = sorted(_s(m) for m in await self.r.smembers(inflight)) if inflight else []
+        # Read outside the transition, since they may live in other slots: the other partitions' queued
+        # counts (the queue limit is global; a race between gateways may let a few more in) and the
+        # response-cache entry (a shared one is in no owner's partition; an entry that expires meanwhile
+        # is still a valid answer).
+        elsewhere = await self._queued([q for q in self.partitions if q != p]) if st.max_queued else 0
+        cache = k.cache(cache_key, None if shared_cache else owner) if cache_key else ""
+        cached = _s(await self.r.get(cache) or b"") if cache else ""
         res = await self._submit(
             keys=[
-                k.request(owner, id),
-                k.queue,
-                k.queued_count,
-                k.worker_queue(prefer) if prefer else "",
-                k.workers,
+                req,
+                k.queue(p),
+                k.queued_count(p),
+                k.worker_queue(prefer, p) if prefer else req,
+                req,
                 k.log(owner, id),
-                k.cache(cache_key, None if shared_cache else owner) if cache_key else "",
-                k.history(session or "-"),
-                inflight,
-                k.session(session or "-"),
+                req,
+                k.history(session or "-", owner),
+                inflight or req,
+                k.session(session or "-", owner),
                 *members,
             ],
             args=[
@@ -228,6 +267,9 @@ class RequestStore:
                 st.max_inflight_per_user,
                 "" if turn_after is None else "1",
                 turn_after or "",
+                elsewhere,
+                cached,
+                cache,
             ],
         )
         outcome, epoch, state = _s(res[0]), int(res[1]), _s(res[2])
@@ -272,10 +314,11 @@ class RequestStore:
         Atomic (one Lua transition; the holder is read first so the script declares its running set)."""
         k = self.keys
         req = k.request(owner, id)
+        p = k.partition(owner)
         while True:
             worker = _s(await self.r.hget(req, "worker") or b"")
             res = await self._cancel(
-                keys=[req, k.log(owner, id), k.queued_count, k.worker_requests(worker)],
+                keys=[req, k.log(owner, id), k.queued_count(p), k.worker_requests(worker, p)],
                 args=[self.settings.retention_ms, worker],
             )
             if res is None:
@@ -299,13 +342,25 @@ class RequestStore:
         """Record that clients are attached to these requests now (postpones the detach timeout)."""
         if not req_keys:
             return 0
-        return int(await self._touch(keys=req_keys, args=[self.settings.detach_timeout_ms]))
+        # One call per partition: a script's keys must share a slot.
+        by_partition: dict[int, list[str]] = {}
+        for key in req_keys:
+            by_partition.setdefault(self.partition_of(key), []).append(key)
+        n = 0
+        for keys in by_partition.values():
+            n += int(await self._touch(keys=keys, args=[self.settings.detach_timeout_ms]))
+        return n
 
     # ---- worker side ---------------------------------------------------------------------------
 
-    async def ensure_group(self, worker: str | None = None) -> None:
-        """Create the consumer group on the shared queue and on ``worker``'s own queue (idempotent)."""
-        queues = [self.keys.queue] + ([self.keys.worker_queue(worker)] if worker else [])
+    async def ensure_group(self, worker: str | None = None, partition: int | None = None) -> None:
+        """Create the consumer group on the shared queue and on ``worker``'s own queue of every partition
+        (or of ``partition``) (idempotent). A worker's own queue existing is what lets submit.lua route
+        work to it (reap.lua deletes it)."""
+        parts = self.partitions if partition is None else [partition]
+        queues = [self.keys.queue(p) for p in parts]
+        if worker:
+            queues += [self.keys.worker_queue(worker, p) for p in parts]
         for q in queues:
             try:
                 await self.r.xgroup_create(q, self.GROUP, id="0", mkstream=True)
@@ -314,15 +369,16 @@ class RequestStore:
                     raise
 
     async def take(
-        self, worker: str, count: int, block_ms: int, *, pending: bool = False
+        self, worker: str, count: int, block_ms: int, *, pending: bool = False, partition: int = 0
     ) -> list[tuple[str, str, str]]:
-        """Next entries for this worker from its own queue and the shared one, in one blocking read:
-        [(queue, entry id, request key)]. Blocks up to ``block_ms``. ``pending=True``: instead, the
+        """Next entries for this worker from its own queue and the shared one of one partition, in one
+        blocking read (both are in the partition's slot; a worker reads each partition in a loop of its
+        own): [(queue, entry id, request key)]. Blocks up to ``block_ms``. ``pending=True``: instead, the
         entries already delivered to this worker and not yet started (after a failure between reading
         and starting them; without this they would wait for this worker's death to be re-queued)."""
-        own = self.keys.worker_queue(worker)
+        own = self.keys.worker_queue(worker, partition)
         start = "0" if pending else ">"
-        streams: Any = {own: start, self.keys.queue: start}
+        streams: Any = {own: start, self.keys.queue(partition): start}
         try:
             res: Any = await self.r.xreadgroup(self.GROUP, worker, streams, count=count, block=block_ms)
         except aioredis.ResponseError as exc:
@@ -330,7 +386,7 @@ class RequestStore:
                 raise
             # Our own queue does not exist (yet, or any more: a reaper drained and deleted it after our
             # lease lapsed). Recreate it and read again.
-            await self.ensure_group(worker)
+            await self.ensure_group(worker, partition)
             res = await self.r.xreadgroup(self.GROUP, worker, streams, count=count, block=block_ms)
         out: list[tuple[str, str, str]] = []
         for stream, entries in res or []:
@@ -348,10 +404,11 @@ class RequestStore:
         None if the request is no longer queued (cancelled while waiting, detached too long, expired); the
         entry is consumed either way.
         """
-        queue = queue or self.keys.queue
+        p = self.partition_of(req_key)
+        queue = queue or self.keys.queue(p)
         log_key = self.keys.log_of(req_key)
         res = await self._start(
-            keys=[req_key, self.keys.queued_count, log_key, self.keys.worker_requests(worker), queue],
+            keys=[req_key, self.keys.queued_count(p), log_key, self.keys.worker_requests(worker, p), queue],
             args=[worker, self.settings.retention_ms, self.GROUP, entry_id],
         )
         if not res:
@@ -360,7 +417,7 @@ class RequestStore:
         return WorkItem(
             req_key=req_key,
             log_key=log_key,
-            history_key=self.keys.history(payload.get("session") or "-"),
+            history_key=self.keys.history_in(p, payload.get("session") or "-"),
             payload=payload,
             completion_tokens=int(res[1]),
             epoch=int(res[2]),
@@ -392,59 +449,96 @@ class RequestStore:
         if not ops:
             return []
         st = self.settings
-        wreqs = self.keys.worker_requests(worker)
-        pipe = self.r.pipeline(transaction=False)
+        k = self.keys
+        scripted: list[tuple[AsyncScript, list[str], list[Any]]] = []
         calls: list[int] = []
         for op in ops:
             n = 0
+            p = self.partition_of(op.item.req_key)
+            wreqs = k.worker_requests(worker, p)
             if op.n > 0:
-                await self._append(
-                    keys=[op.item.req_key, op.item.log_key, wreqs, self.keys.queue, self.keys.queued_count],
-                    args=[
-                        worker,
-                        op.offset,
-                        op.n,
-                        op.text,
-                        op.prompt_tokens,
-                        ",".join(map(str, op.token_ids)),
-                        st.retention_ms,
-                        MAX_MISMATCH_REQUEUES,
-                    ],
-                    client=pipe,
+                scripted.append(
+                    (
+                        self._append,
+                        [op.item.req_key, op.item.log_key, wreqs, k.queue(p), k.queued_count(p)],
+                        [
+                            worker,
+                            op.offset,
+                            op.n,
+                            op.text,
+                            op.prompt_tokens,
+                            ",".join(map(str, op.token_ids)),
+                            st.retention_ms,
+                            MAX_MISMATCH_REQUEUES,
+                        ],
+                    )
                 )
                 n += 1
             if op.finish is not None:
-                await self._finish(
-                    keys=[
-                        op.item.req_key,
-                        op.item.log_key,
-                        op.item.history_key,
-                        wreqs,
-                        op.item.cache_key or op.item.req_key,  # declared even when unused
-                    ],
-                    args=[
-                        worker,
-                        op.finish,
-                        op.prompt_tokens,
-                        op.reply_text,
-                        st.retention_ms,
-                        op.error_code,
-                        op.error_message,
-                        st.history_max_messages,
-                        st.session_ttl_ms,
-                        st.cache_ttl_ms,
-                    ],
-                    client=pipe,
+                scripted.append(
+                    (
+                        self._finish,
+                        [
+                            op.item.req_key,
+                            op.item.log_key,
+                            op.item.history_key,
+                            wreqs,
+                        ],
+                        [
+                            worker,
+                            op.finish,
+                            op.prompt_tokens,
+                            op.reply_text,
+                            st.retention_ms,
+                            op.error_code,
+                            op.error_message,
+                            st.history_max_messages,
+                            st.session_ttl_ms,
+                        ],
+                    )
                 )
                 n += 1
             calls.append(n)
-        results = await execute(pipe)
+        results = await self._run_scripts(scripted)
         out: list[bool] = []
+        caches: list[tuple[str, Any]] = []
         i = 0
-        for n in calls:
-            out.append(all(int(results[j]) == 1 for j in range(i, i + n)))
+        for op, n in zip(ops, calls, strict=True):
+            held = True
+            for res in results[i : i + n]:
+                if isinstance(res, bytes | str):  # finish.lua: ended normally, here is its cache entry
+                    if op.item.cache_key:
+                        caches.append((op.item.cache_key, res))
+                elif int(res) != 1:
+                    held = False
+            out.append(held)
             i += n
+        if caches:
+            # After the transitions, in commands of their own: a shared cache entry is in another slot.
+            # Losing one (a crash here) only costs a later identical chat its cache hit.
+            cpipe = self.r.pipeline(transaction=False)
+            for key, value in caches:
+                cpipe.set(key, value, px=st.cache_ttl_ms)
+            await execute(cpipe)
         return out
+
+    async def _run_scripts(self, calls: list[tuple[AsyncScript, list[str], list[Any]]]) -> list[Any]:
+        """Run script calls in one non-transactional pipeline (on a cluster: one per node, sent at once)
+        by EVALSHA: a cluster pipeline refuses redis-py's script objects, which would load them first. On
+        NOSCRIPT (a fresh server, or a node restarted or failed over) load them everywhere and run the
+        calls again: every script run here is safe to repeat (append and finish recognise a repeat of
+        their own writes)."""
+        for attempt in (1, 2):
+            pipe = self.r.pipeline(transaction=False)
+            for script, keys, args in calls:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            try:
+                return list(await execute(pipe))
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                await self.load_scripts()
+        raise AssertionError("unreachable")
 
     async def heartbeat(self, worker: str, running: int = 0, capacity: int = 0) -> list[str]:
         """Renew this worker's lease and publish its load; returns workers whose leases have lapsed."""
@@ -455,50 +549,62 @@ class RequestStore:
         return [_s(d) for d in dead or []]
 
     async def reap(self, dead_worker: str, *, own: bool = False) -> int:
-        """Re-queue a lapsed worker's running requests, and move its affinity queue and the shared-queue
-        entries it read but never started to the shared queue, atomically; the number of running requests
-        re-queued, or -1 if its lease turned out live. ``own=True``: a draining worker hands back its own.
-        Moves only work not yet acknowledged (queues hold nothing else), so its cost is bounded by that."""
+        """Re-queue a lapsed worker's running requests, and move its affinity queue and the queue entries
+        it read but never started to the shared queue, partition by partition (each one atomic: reap.lua),
+        then forget its lease; the number of running requests re-queued, or -1 if its lease turned out
+        live. ``own=True``: a draining worker hands back its own. Moves only work not yet acknowledged
+        (queues hold nothing else), so its cost is bounded by that.
+
+        The lease is checked first and dropped last (lease.lua: it lives in another slot than the
+        partitions). Two reapers racing re-queue each request once (reap.lua checks each request's holder);
+        a reaper that dies half-way leaves the lease lapsed, so the next heartbeat's reaper finishes the
+        job; a worker that renews its lease in between keeps it and finds its requests taken away (fenced,
+        continued elsewhere after their logged tokens)."""
         k = self.keys
-        while True:
-            running = sorted(_s(m) for m in await self.r.smembers(k.worker_requests(dead_worker)))
-            n = int(
-                await self._reap(
-                    keys=[
-                        k.workers,
-                        k.worker_requests(dead_worker),
-                        k.queue,
-                        k.queued_count,
-                        k.worker_queue(dead_worker),
-                        k.workers_load,
-                        *running,
-                    ],
-                    args=[dead_worker, "self" if own else "", self.GROUP],
+        lease_keys = [k.workers, k.workers_load]
+        me = "self" if own else ""
+        if int(await self._lease(keys=lease_keys, args=[dead_worker, me, "check"])) == -1:
+            return -1
+        total = 0
+        for p in self.partitions:
+            wreqs = k.worker_requests(dead_worker, p)
+            while True:
+                running = sorted(_s(m) for m in await self.r.smembers(wreqs))
+                n = int(
+                    await self._reap(
+                        keys=[wreqs, k.queue(p), k.queued_count(p), k.worker_queue(dead_worker, p), *running],
+                        args=[dead_worker, self.GROUP],
+                    )
                 )
-            )
-            if n != -2:  # -2: it started another request since we read its set
-                return n
+                if n != -2:  # -2: it started another request since we read its set
+                    total += n
+                    break
+        await self._lease(keys=lease_keys, args=[dead_worker, me, "drop"])
+        return total
 
     async def ping(self) -> None:
         """Raise unless the store answers (a round trip; readiness probes call it)."""
         await self.r.ping()
 
     async def queued(self) -> int:
-        """Requests waiting in the queue (all workers)."""
-        return int(await self.r.get(self.keys.queued_count) or 0)
+        """Requests waiting in the queue (all partitions, all workers)."""
+        return await self._queued(self.partitions)
+
+    async def _queued(self, partitions: Any) -> int:
+        keys = [self.keys.queued_count(p) for p in partitions]
+        if not keys:
+            return 0
+        # One GET per partition (an MGET may not span slots), pipelined: one round trip per node.
+        pipe = self.r.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        return sum(int(v or 0) for v in await execute(pipe))
 
     async def live_workers(self) -> dict[str, tuple[int, int]]:
         """Workers with a live lease: id -> (running, capacity)."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.time()
-        pipe.zrange(self.keys.workers, 0, -1, withscores=True)
-        pipe.hgetall(self.keys.workers_load)
-        (sec, usec), members, loads = await execute(pipe)
-        now = int(sec) * 1000 + int(usec) // 1000
+        flat = await self._live(keys=[self.keys.workers, self.keys.workers_load])
         out: dict[str, tuple[int, int]] = {}
-        for member, expiry in members:
-            if expiry >= now:
-                w = _s(member)
-                running, _, capacity = _s(loads.get(member, b"0/0")).partition("/")
-                out[w] = (int(running or 0), int(capacity or 0))
+        for i in range(0, len(flat), 2):
+            running, _, capacity = _s(flat[i + 1]).partition("/")
+            out[_s(flat[i])] = (int(running or 0), int(capacity or 0))
         return out

@@ -55,22 +55,23 @@ class SessionStore:
     async def touch(self, session: str, owner: str) -> None:
         """Record the session (idempotent) and extend its TTL and its history's. One pipelined round trip,
         not atomic: each command is idempotent, so a partial run is completed by the next touch."""
-        k = self.keys.session(session)
+        k = self.keys.session(session, owner)
         pipe = self.r.pipeline(transaction=False)
         pipe.hsetnx(k, "owner", owner)
         pipe.pexpire(k, self.ttl_ms)
-        pipe.pexpire(self.keys.history(session), self.ttl_ms)
+        pipe.pexpire(self.keys.history(session, owner), self.ttl_ms)
         await execute(pipe)
 
-    async def last_turn(self, session: str) -> str:
+    async def last_turn(self, session: str, owner: str) -> str:
         """The id of the session's latest content-mode turn ("" if none): the next turn waits for it to
         end, then passes it to ``RequestStore.submit(turn_after=...)``, which checks it atomically."""
-        v = await self.r.hget(self.keys.session(session), "turn")
+        v = await self.r.hget(self.keys.session(session, owner), "turn")
         return "" if v is None else v.decode() if isinstance(v, bytes) else str(v)
 
-    async def history(self, session: str) -> list[dict[str, str]]:
-        """The session's messages, oldest first (one LRANGE: a consistent snapshot)."""
-        raw = await self.r.lrange(self.keys.history(session), 0, -1)
+    async def history(self, session: str, owner: str) -> list[dict[str, str]]:
+        """The session's messages, oldest first (one LRANGE: a consistent snapshot). Its keys are in the
+        owner's partition (keys.py), so the owner is part of their name."""
+        raw = await self.r.lrange(self.keys.history(session, owner), 0, -1)
         return [json.loads(x) for x in raw]
 
 

@@ -92,13 +92,15 @@ class Worker:
         self._store_up = asyncio.Event()
         self._store_up.set()
         self._hand_back = False  # requests were shed during an outage: hand them back when Redis returns
-        self._retake_pending = False
+        # Partitions with entries read but not started after a failure (read them again, take()).
+        self._retake_pending: set[int] = set()
         self.model_name: str | None = None  # what the loaded model calls itself (set by whoever loaded it)
         self._items: dict[str, WorkItem] = {}
         self._replies: dict[str, list[str]] = {}
         self._timing: dict[str, _Timing] = {}
         self._steps: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self._take_tasks: list[asyncio.Task[None]] = []
         # Templating, tokenising and fitting a conversation: CPU work that must stall neither the event
         # loop nor the engine thread (the tokenizer releases the GIL), so a pool of its own.
         self._prompt_pool = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="prompt")
@@ -130,8 +132,13 @@ class Worker:
             metrics.KV_USAGE.set_function(kv_usage)
         self._room.set()
         await self._heartbeat()  # hold a lease before taking any work
+        # One take loop per partition of the work queue (keys.py): a blocking read may not span two hash
+        # slots on a Redis Cluster. One loop on a plain Redis.
+        self._take_tasks = [
+            asyncio.create_task(self._take_loop(p), name=f"worker-take-{p}") for p in self.store.partitions
+        ]
         self._tasks = [
-            asyncio.create_task(self._take_loop(), name="worker-take"),
+            *self._take_tasks,
             asyncio.create_task(self._write_loop(), name="worker-write"),
             asyncio.create_task(self._lease_loop(), name="worker-lease"),
         ]
@@ -147,7 +154,7 @@ class Worker:
         the rest back to the queue (another worker continues them after their logged tokens) and stop.
         Returns how many requests were handed back."""
         self.draining = True
-        await cancel_and_wait(self._tasks[:1])  # the take loop
+        await cancel_and_wait(self._take_tasks)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), deadline_s)
         handed = 0
@@ -171,16 +178,22 @@ class Worker:
         self.store_ok = True
         self._store_up.set()
 
-    async def _take_loop(self) -> None:
+    async def _take_loop(self, partition: int) -> None:
+        parts = len(self.store.partitions)
         while True:
             await self._room.wait()
             await self._store_up.wait()  # no new work while Redis is unreachable
             try:
                 room = self.max_running - len(self._items)
-                pending = self._retake_pending
-                entries = await self.store.take(self.name, count=max(1, room), block_ms=1000, pending=pending)
+                # With several partitions each loop asks for its share of the room (at least one), so the
+                # loops together take at most max_running + partitions - 1 at once.
+                count = max(1, room // parts)
+                pending = partition in self._retake_pending
+                entries = await self.store.take(
+                    self.name, count=count, block_ms=1000, pending=pending, partition=partition
+                )
                 if pending and not entries:
-                    self._retake_pending = False
+                    self._retake_pending.discard(partition)
                 for queue, entry_id, req_key in entries:
                     item = await self.store.start(self.name, entry_id, req_key, queue)
                     if item is not None:
@@ -194,7 +207,7 @@ class Worker:
             except Exception as exc:
                 log.warning("worker.take_failed", error=str(exc))
                 self._store_failed(exc)
-                self._retake_pending = True  # entries read but not started are still ours: read them again
+                self._retake_pending.add(partition)  # entries read but not started are still ours: read again
                 await asyncio.sleep(0.5)
 
     async def _heartbeat(self) -> list[str]:

@@ -15,14 +15,16 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from protocol import Accepted, Chat, Delta, Done, Error, Message, Params, ResumePoint
 from server.client import Client, collect
-from server.store.keys import Keys
-from tests.conftest import delete_prefix
+from server.store.keys import CLUSTER_PARTITIONS, Keys
+from tests.conftest import delete_prefix, delete_prefix_cluster
 from tests.e2e.serve_process import ServeProcess
 
 LEASE_TTL_S = 2.0
@@ -39,6 +41,7 @@ class Cluster:
     tmp: Path
     gateways: list[ServeProcess] = field(default_factory=list)
     workers: list[ServeProcess] = field(default_factory=list)
+    keys: Keys = field(default_factory=Keys)
 
     def start_gateway(self) -> str:
         p = ServeProcess(self.base, self.tmp, command="gateway")
@@ -55,11 +58,24 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
+def backend(request: pytest.FixtureRequest) -> str:
+    """ "redis" (the test Redis), or "cluster" for a test parametrised onto the session's 3-master Valkey
+    cluster (tests/conftest.py; the processes find out from the URL alone)."""
+    return str(getattr(request, "param", "redis"))
+
+
+@pytest.fixture
+def store_url(backend: str, redis_url: str, request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue("cluster_url")) if backend == "cluster" else redis_url
+
+
+@pytest.fixture
+def cluster(store_url: str, backend: str, tmp_path: Path) -> Iterator[Cluster]:
     prefix = f"twtest:cluster:{uuid.uuid4().hex[:8]}:"
     c = Cluster(
-        prefix, ["--redis-url", redis_url, "--key-prefix", prefix, "--lease-ttl", str(LEASE_TTL_S)], tmp_path
+        prefix, ["--redis-url", store_url, "--key-prefix", prefix, "--lease-ttl", str(LEASE_TTL_S)], tmp_path
     )
+    c.keys = Keys(prefix, CLUSTER_PARTITIONS if backend == "cluster" else 1)
     try:
         yield c
     finally:
@@ -67,12 +83,12 @@ def cluster(redis_url: str, tmp_path: Path) -> Iterator[Cluster]:
             if p.proc is not None and p.proc.poll() is None:
                 p.proc.kill()
             p.stop()
-        delete_prefix(redis_url, prefix)
+        (delete_prefix_cluster if backend == "cluster" else delete_prefix)(store_url, prefix)
 
 
 @pytest.fixture
-async def cluster_redis(redis_url: str, cluster: Cluster) -> AsyncIterator[aioredis.Redis]:
-    r = aioredis.from_url(redis_url)
+async def cluster_redis(store_url: str, backend: str, cluster: Cluster) -> AsyncIterator[Any]:
+    r = RedisCluster.from_url(store_url) if backend == "cluster" else aioredis.from_url(store_url)
     yield r
     await r.aclose()
 
@@ -169,10 +185,7 @@ async def _reference(url: str) -> list[str]:
     return list(await asyncio.gather(*(one(i) for i in range(STREAMS))))
 
 
-async def _writers(
-    r: aioredis.Redis, prefix: str, owner_of: dict[str, str], ids: list[str]
-) -> list[list[str]]:
-    keys = Keys(prefix)
+async def _writers(r: Any, keys: Keys, owner_of: dict[str, str], ids: list[str]) -> list[list[str]]:
     out = []
     for rid in ids:
         entries = await r.xrange(keys.log(owner_of[rid], rid))
@@ -195,9 +208,8 @@ async def _launch(
     return streams, tokens, tasks
 
 
-async def test_kill9_worker_mid_stream(
-    cluster: Cluster, cluster_redis: aioredis.Redis, peaky_model_dir: Path
-) -> None:
+@pytest.mark.parametrize("backend", ["redis", "cluster"], indirect=True)
+async def test_kill9_worker_mid_stream(cluster: Cluster, cluster_redis: Any, peaky_model_dir: Path) -> None:
     w0 = cluster.start_worker(peaky_model_dir, "--name", "w0")
     cluster.start_worker(peaky_model_dir, "--name", "w1")
     url = cluster.start_gateway()
@@ -212,7 +224,7 @@ async def test_kill9_worker_mid_stream(
     sessions = {s.chat.id: t["t"].partition(".")[0] for s, t in zip(streams, tokens, strict=True)}
     writers = await _writers(
         cluster_redis,
-        cluster.prefix,
+        cluster.keys,
         {k: f"anon:{v}" for k, v in sessions.items()},
         [s.chat.id for s in streams],
     )

@@ -105,3 +105,42 @@ def _alive(pid: int) -> bool:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+async def test_cluster_command_with_redis_shards_runs_on_its_own_valkey_cluster(tiny_model_dir: Path) -> None:
+    """--redis-shards 3: a 3-master Valkey cluster of its own, which gateway and worker find out about
+    from the URL alone; a chat works; Ctrl-C stops the processes and the cluster's nodes."""
+    port = _free_consecutive_ports(1)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "server.cli", "cluster", "--gateways", "1", "--workers", "1",
+        "--port", str(port), "--redis-shards", "3", "--model", str(tiny_model_dir),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+        env={k: v for k, v in os.environ.items() if k != "TOKENWIRE_REDIS_URL"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        while not lines or not lines[-1].startswith("tokenwire cluster ready"):
+            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+            assert line, f"cluster exited early: {lines}"
+            lines.append(line)
+        [said] = [x for x in lines if "Valkey cluster of 3 masters" in x]
+        node_ports = [int(p) for p in said.rsplit("ports", 1)[1].replace(",", " ").split()]
+        assert len(node_ports) == 3
+        children = _children(proc.pid)
+        nodes = [c for c in children if b"valkey" in (Path("/proc") / str(c) / "cmdline").read_bytes()]
+        assert len(nodes) == 3
+        c = await Client.connect(f"ws://127.0.0.1:{port}/v1/ws")
+        _, _, done, errors = await collect(c.chat("hi", params=Params(max_tokens=5, seed=1)))
+        assert errors == [] and done is not None and done.offset >= 1
+        await c.close()
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        assert not [c for c in children if _alive(c)]  # the gateway, the worker and the 3 nodes
+        for p in node_ports:
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", p)) != 0  # nothing listens there any more
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()

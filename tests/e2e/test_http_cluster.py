@@ -19,8 +19,10 @@ from server.client import Client, collect
 from tests.e2e.test_cluster import (  # noqa: F401 (fixtures)
     Cluster,
     _writers,
+    backend,
     cluster,
     cluster_redis,
+    store_url,
 )
 
 STREAMS = 20
@@ -123,9 +125,7 @@ async def test_background_responses_survive_kill9_and_resume_on_another_gateway(
         assert texts == await _reference(url1)
         owner = "http:" + hashlib.sha256(API_KEY.encode()).hexdigest()[:32]
         request_ids = [rid.removeprefix("resp_") for rid in ids]
-        writers = await _writers(
-            cluster_redis, cluster.prefix, dict.fromkeys(request_ids, owner), request_ids
-        )
+        writers = await _writers(cluster_redis, cluster.keys, dict.fromkeys(request_ids, owner), request_ids)
         moved = sum(1 for ws in writers if any(a != b for a, b in itertools.pairwise(ws)))
         assert moved > 0  # some responses really were on the killed worker and finished elsewhere
     finally:

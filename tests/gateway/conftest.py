@@ -9,14 +9,49 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from server.engine.api import Engine
 from server.gateway.server import WS_PATH, Gateway, GatewaySettings
-from server.store.keys import Keys
+from server.store.keys import CLUSTER_PARTITIONS, Keys
 from server.store.requests import RequestStore, Settings
 from server.store.sessions import SessionStore
 from server.worker.loop import Worker
+from tests.conftest import delete_prefix, delete_prefix_cluster
 from tests.fakes import FakeEngine
+
+# Tests marked with ON_BOTH run twice: on the plain test Redis and on the session's 3-master Valkey
+# cluster (tests/conftest.py), where every request lives in one of CLUSTER_PARTITIONS partitions.
+ON_BOTH = pytest.mark.parametrize("backend", ["redis", "cluster"], indirect=True)
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(getattr(request, "param", "redis"))
+
+
+@pytest.fixture
+def redis_url(redis_url: str, backend: str, request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue("cluster_url")) if backend == "cluster" else redis_url
+
+
+@pytest.fixture
+def keys(backend: str) -> Keys:
+    import uuid
+
+    return Keys(f"twtest:{uuid.uuid4().hex[:10]}:", CLUSTER_PARTITIONS if backend == "cluster" else 1)
+
+
+def client(url: str, cluster: bool) -> Any:
+    return RedisCluster.from_url(url) if cluster else aioredis.from_url(url)
+
+
+@pytest.fixture
+async def redis(redis_url: str, keys: Keys, backend: str) -> AsyncIterator[Any]:
+    r = client(redis_url, backend == "cluster")
+    yield r
+    await r.aclose()
+    (delete_prefix_cluster if backend == "cluster" else delete_prefix)(redis_url, keys.prefix)
 
 
 @dataclass
@@ -39,7 +74,7 @@ async def running_server(
     gateway: GatewaySettings | None = None,
     store: Settings | None = None,
 ) -> AsyncIterator[Running]:
-    reader_r = aioredis.from_url(redis_url)
+    reader_r = client(redis_url, isinstance(redis, RedisCluster))
     st = RequestStore(redis, keys, store or Settings())
     sessions = SessionStore(redis, keys, b"test-secret", 60_000)
     eng: Any = engine or FakeEngine()

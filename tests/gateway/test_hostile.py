@@ -152,7 +152,7 @@ async def test_degradation_clamps_and_truncates_past_the_queue_threshold(
         c = await Client.connect(server.url)
         text, _, done, _ = await collect(c.chat(messages=history, params=Params(max_tokens=10, seed=1)))
         assert done is not None and done.offset == 10 and text.startswith("re[10]")  # calm: untouched
-        await redis.set(keys.queued_count, 50)  # a deep queue
+        await redis.set(keys.queued_count(), 50)  # a deep queue
         await asyncio.sleep(1.1)  # the gateway reads the depth at most once a second
         text, _, done, _ = await collect(c.chat(messages=history, params=Params(max_tokens=10, seed=1)))
         assert done is not None and done.offset == 4 and done.finish_reason == "length"

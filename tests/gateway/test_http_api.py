@@ -20,7 +20,7 @@ from protocol import Chat, Message, Params
 from server.client import Client, collect
 from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
-from tests.gateway.conftest import Running, running_server
+from tests.gateway.conftest import ON_BOTH, Running, running_server
 
 SECRET = "jwt-test-secret-of-at-least-32-bytes!"
 
@@ -197,6 +197,7 @@ async def test_bad_bodies_get_documented_4xx_and_nothing_breaks(server: Running)
     await c.close()
 
 
+@ON_BOTH
 async def test_owners_are_isolated_by_jwt(redis: aioredis.Redis, redis_url: str, keys: Keys) -> None:
     async with running_server(
         redis, redis_url, keys, gateway=GatewaySettings(port=0, auth_secret=SECRET)
@@ -230,6 +231,7 @@ async def test_owners_are_isolated_by_jwt(redis: aioredis.Redis, redis_url: str,
         await c.close()
 
 
+@ON_BOTH
 async def test_background_response_cut_mid_stream_resumes_exactly(server: Running) -> None:
     server.engine.reply_len = 40
     server.engine.step_s = 0.01

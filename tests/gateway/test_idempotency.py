@@ -14,9 +14,12 @@ from server.client import Client, ServerError, collect
 from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
 from server.store.requests import Settings
-from tests.gateway.conftest import Running, running_server
+from tests.gateway.conftest import ON_BOTH, Running, running_server
 
 SECRET = "jwt-test-secret-of-at-least-32-bytes!"
+
+# Idempotency, isolation and resume are properties of the store: proven on a cluster too.
+pytestmark = ON_BOTH
 
 
 def token(sub: str, ttl: float = 60) -> str:

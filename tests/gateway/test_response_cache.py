@@ -12,7 +12,7 @@ from protocol import Accepted, Params
 from server.client import Client, collect
 from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
-from tests.gateway.conftest import Running, running_server
+from tests.gateway.conftest import ON_BOTH, Running, running_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SECRET = "jwt-test-secret-of-at-least-32-bytes!"
@@ -70,6 +70,7 @@ async def test_repeated_greedy_question_is_served_from_cache(
         assert server.engine.requests_started == 6
 
 
+@ON_BOTH
 async def test_one_users_cache_never_answers_another_user(
     redis: aioredis.Redis, redis_url: str, keys: Keys
 ) -> None:
@@ -93,6 +94,7 @@ async def test_anonymous_sessions_do_not_share_a_cache(server: Running) -> None:
     assert server.engine.requests_started == 2
 
 
+@ON_BOTH
 async def test_a_shared_cache_is_the_operators_choice(
     redis: aioredis.Redis, redis_url: str, keys: Keys
 ) -> None:
@@ -113,7 +115,7 @@ async def test_cached_answers_are_served_under_overload(
     ) as server:
         greedy = Params(temperature=0, max_tokens=5)
         first = await _ask(server.url, greedy, "warm", "ann")
-        await redis.set(keys.queued_count, 100)  # the queue is "full" from now on
+        await redis.set(keys.queued_count(), 100)  # the queue is "full" from now on
         c = await Client.connect(server.url, token=_token("ann"))
         _, _, done, errors = await collect(c.chat("something new", params=greedy))
         assert done is None and [e.code for e in errors] == ["overloaded"]

@@ -12,7 +12,7 @@ from websockets.exceptions import InvalidStatus
 
 from protocol import JSON_SUBPROTOCOL, Accepted, Cancel, Delta, Done, Error, Params, Ping, Pong, Resume
 from server.client import Client, collect
-from tests.gateway.conftest import Running
+from tests.gateway.conftest import ON_BOTH, Running
 
 
 def _contiguous(deltas: list[Delta], start: int = 0) -> bool:
@@ -96,6 +96,7 @@ async def test_same_id_retry_attaches_and_never_generates_twice(server: Running)
     await c2.close()
 
 
+@ON_BOTH
 async def test_other_session_cannot_see_requests(server: Running) -> None:
     owner = await Client.connect(server.url)
     await collect(owner.chat("mine", id="secret"))
@@ -113,6 +114,7 @@ async def test_other_session_cannot_see_requests(server: Running) -> None:
     await stranger.close()
 
 
+@ON_BOTH
 async def test_disconnect_does_not_cancel_and_resume_continues(server: Running) -> None:
     server.engine.step_s = 0.02
     c = await Client.connect(server.url)

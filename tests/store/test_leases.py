@@ -19,7 +19,9 @@ PAYLOAD = {
 
 
 async def _take_start(store: RequestStore, worker: str) -> WorkItem | None:
-    [(queue, entry_id, req_key)] = await store.take(worker, count=1, block_ms=200)
+    [(queue, entry_id, req_key)] = await store.take(
+        worker, partition=store.keys.partition("u"), count=1, block_ms=200
+    )
     return await store.start(worker, entry_id, req_key, queue)
 
 
@@ -111,9 +113,11 @@ async def test_affinity_queue_and_its_reaping(redis: aioredis.Redis, keys: Keys)
         await store.heartbeat(w, running=1, capacity=8)
     assert await store.live_workers() == {"w1": (1, 8), "w2": (1, 8)}
     await store.submit("u", "a", "fp", {**PAYLOAD, "id": "a"}, prefer="w1")
-    assert await store.take("w2", count=5, block_ms=50) == []  # routed to w1's own queue
-    [(queue, _, _)] = await store.take("w1", count=5, block_ms=50)
-    assert queue == keys.worker_queue("w1")
+    assert (
+        await store.take("w2", partition=store.keys.partition("u"), count=5, block_ms=50) == []
+    )  # routed to w1's own queue
+    [(queue, _, _)] = await store.take("w1", partition=store.keys.partition("u"), count=5, block_ms=50)
+    assert queue == keys.worker_queue("w1", keys.partition("u"))
 
     # Routed to w1, then w1 dies before starting it (and before starting "a", which it had only read):
     # reaping moves both to the shared queue, where w2 starts them.
@@ -122,15 +126,17 @@ async def test_affinity_queue_and_its_reaping(redis: aioredis.Redis, keys: Keys)
     await store.heartbeat("w2")
     assert await store.live_workers() == {"w2": (0, 0)}
     assert await store.reap("w1") == 0  # nothing was running
-    taken = await store.take("w2", count=5, block_ms=50)
-    assert [(q, k) for q, _, k in taken] == [(keys.queue, keys.request("u", x)) for x in ("a", "b")]
+    taken = await store.take("w2", partition=store.keys.partition("u"), count=5, block_ms=50)
+    assert [(q, k) for q, _, k in taken] == [
+        (keys.queue(keys.partition("u")), keys.request("u", x)) for x in ("a", "b")
+    ]
     for queue, entry_id, req_key in taken:
         assert await store.start("w2", entry_id, req_key, queue) is not None
     # With w1's lease gone, a request preferring it goes to the shared queue, never to a dead queue.
     await store.submit("u", "c", "fp", {**PAYLOAD, "id": "c"}, prefer="w1")
-    [(queue, _, _)] = await store.take("w2", count=5, block_ms=50)
-    assert queue == keys.queue
-    assert not await redis.exists(keys.worker_queue("w1"))
+    [(queue, _, _)] = await store.take("w2", partition=store.keys.partition("u"), count=5, block_ms=50)
+    assert queue == keys.queue(keys.partition("u"))
+    assert not await redis.exists(keys.worker_queue("w1", keys.partition("u")))
 
 
 async def test_draining_worker_hands_its_requests_back(redis: aioredis.Redis, keys: Keys) -> None:
@@ -162,7 +168,7 @@ async def test_offset_mismatch_requeues_then_fails_never_stays_running(
     assert await store.write_step([StepOp(item, 5, 1, "c", 4, token_ids=(3,))], "w1") == [False]
     info = await store.get("u", "r")
     assert info is not None and (info.state, info.completion_tokens) == ("queued", 2)
-    assert not await redis.sismember(keys.worker_requests("w1"), item.req_key)
+    assert not await redis.sismember(keys.worker_requests("w1", keys.partition("u")), item.req_key)
     # Another worker continues it after the two logged tokens.
     again = await _take_start(store, "w2")
     assert again is not None and again.completion_tokens == 2
@@ -176,4 +182,25 @@ async def test_offset_mismatch_requeues_then_fails_never_stays_running(
     assert info is not None and (info.state, info.finish_reason) == ("failed", "error")
     last = (await redis.xrange(item.log_key))[-1]
     assert last[0] == b"2-2" and last[1][b"e"] == b"internal"
-    assert await redis.xlen(keys.queue) == 0
+    assert await redis.xlen(keys.queue(keys.partition("u"))) == 0
+
+
+async def test_touch_and_retry_only_extend_the_detach_deadline(redis: aioredis.Redis, keys: Keys) -> None:
+    # A background HTTP response gets a long deadline; a WebSocket resume (touch) or a retry of the same
+    # request (submit → attach) with the usual 30 s must not shorten it (it would then be cancelled 30 s
+    # after that client left, though nobody needs to stay attached to a background response).
+    store = RequestStore(redis, keys, Settings(detach_timeout_ms=30_000))
+    await store.submit("u", "r", "fp", PAYLOAD, detach_timeout_ms=3_600_000)
+    req = keys.request("u", "r")
+    long = int(await redis.hget(req, "attached_until") or 0)
+    assert await store.touch([req]) == 1
+    assert int(await redis.hget(req, "attached_until") or 0) == long
+    assert (await store.submit("u", "r", "fp", PAYLOAD)).outcome == "attach"
+    assert int(await redis.hget(req, "attached_until") or 0) == long
+    # An ordinary request's deadline still moves forward with each touch.
+    await store.submit("u", "s", "fp", {**PAYLOAD, "id": "s"})
+    short = keys.request("u", "s")
+    before = int(await redis.hget(short, "attached_until") or 0)
+    await asyncio.sleep(0.01)
+    assert await store.touch([short]) == 1
+    assert int(await redis.hget(short, "attached_until") or 0) > before

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -26,7 +28,9 @@ async def _started(store: RequestStore, worker: str = "w1"):  # type: ignore[no-
         "u1", "r1", "fp1", PAYLOAD, session="s1", user_message={"role": "user", "content": "hi"}
     )
     assert res.outcome == "new"
-    [(queue, entry_id, req_key)] = await store.take(worker, count=10, block_ms=100)
+    [(queue, entry_id, req_key)] = await store.take(
+        worker, partition=store.keys.partition("u1"), count=10, block_ms=100
+    )
     item = await store.start(worker, entry_id, req_key, queue)
     assert item is not None
     return item
@@ -44,7 +48,21 @@ async def test_submit_is_idempotent_by_fingerprint(redis: aioredis.Redis, keys: 
     assert other.outcome == "conflict"
     assert other_user.outcome == "new"  # ids are scoped by owner
     # Only the two new requests were queued: an attach never queues a second generation.
-    assert len(await store.take("w1", count=10, block_ms=100)) == 2
+    taken = [
+        e
+        for p in {keys.partition("u1"), keys.partition("u2")}
+        for e in await store.take("w1", 10, 100, partition=p)
+    ]
+    assert len(taken) == 2
+
+
+async def test_queue_limit_counts_every_partition(redis: aioredis.Redis, keys: Keys) -> None:
+    # The limit is global: owners in different partitions (on a cluster) share it.
+    store = RequestStore(redis, keys, Settings(max_queued=3))
+    await store.ensure_group()
+    outcomes = [(await store.submit(f"u{i}", "r", "fp", PAYLOAD)).outcome for i in range(5)]
+    assert outcomes == ["new", "new", "new", "overloaded", "overloaded"]
+    assert await store.queued() == 3
 
 
 async def test_lifecycle_log_and_history(redis: aioredis.Redis, keys: Keys) -> None:
@@ -60,7 +78,9 @@ async def test_lifecycle_log_and_history(redis: aioredis.Redis, keys: Keys) -> N
     # Out-of-order or repeated offsets are refused (no gap, no repeat): the request goes back to the queue
     # and is continued after the tokens logged.
     assert await store.write_step([StepOp(item, 1, 1, "x", 5)], "w1") == [False]
-    [(queue, entry_id, req_key)] = await store.take("w1", count=10, block_ms=100)
+    [(queue, entry_id, req_key)] = await store.take(
+        "w1", partition=store.keys.partition("u1"), count=10, block_ms=100
+    )
     item = await store.start("w1", entry_id, req_key, queue)
     assert item is not None and item.completion_tokens == 3
     # A worker that does not hold the request cannot write.
@@ -81,7 +101,7 @@ async def test_lifecycle_log_and_history(redis: aioredis.Redis, keys: Keys) -> N
         5,
         "stop",
     )
-    history = await redis.lrange(keys.history("s1"), 0, -1)
+    history = await redis.lrange(keys.history("s1", "u1"), 0, -1)
     assert [json.loads(h) for h in history] == [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "Hello! Bye"},
@@ -103,13 +123,15 @@ async def test_cancel_queued_running_finished_unknown(redis: aioredis.Redis, key
     assert entries[-1][1][b"d"] == b"cancelled"
     assert await store.cancel("u1", "nope") is None
     # A cancelled turn leaves no history.
-    assert await redis.llen(keys.history("s1")) == 0
+    assert await redis.llen(keys.history("s1", "u1")) == 0
 
     await store.submit("u1", "q", "fp", {**PAYLOAD, "id": "q"})
     assert await store.cancel("u1", "q") == "queued"
-    [(queue, entry_id, req_key)] = await store.take("w1", count=10, block_ms=100)
+    [(queue, entry_id, req_key)] = await store.take(
+        "w1", partition=store.keys.partition("u1"), count=10, block_ms=100
+    )
     assert await store.start("w1", entry_id, req_key, queue) is None  # cancelled while waiting: never runs
-    assert int(await redis.get(keys.queued_count) or 0) == 0
+    assert int(await redis.get(keys.queued_count(keys.partition("u1"))) or 0) == 0
 
 
 async def test_queue_limit_refuses_with_overloaded(redis: aioredis.Redis, keys: Keys) -> None:
@@ -120,12 +142,14 @@ async def test_queue_limit_refuses_with_overloaded(redis: aioredis.Redis, keys: 
     assert await store.get("u", "r2") is None  # a refused request leaves nothing behind
 
 
-async def test_log_reader_replays_then_follows(redis: aioredis.Redis, keys: Keys, redis_url: str) -> None:
+async def test_log_reader_replays_then_follows(
+    redis: aioredis.Redis, keys: Keys, new_client: Callable[[], Any]
+) -> None:
     store = RequestStore(redis, keys)
     item = await _started(store)
     await store.write_step([StepOp(item, 0, 1, "a", 1), StepOp(item, 1, 1, "b", 1)], "w1")
-    reader_r = aioredis.from_url(redis_url)
-    reader = LogReader(reader_r, keys.wake("test"), block_ms=1000)
+    reader_r = new_client()
+    reader = LogReader(reader_r, keys, "test", block_ms=1000)
     reader.start()
     try:
         from_start = reader.subscribe(item.log_key, 0)
@@ -149,25 +173,26 @@ async def test_log_reader_replays_then_follows(redis: aioredis.Redis, keys: Keys
 
 
 async def test_log_reader_subscriber_joining_mid_read_still_starts_at_its_offset(
-    redis: aioredis.Redis, keys: Keys, redis_url: str
+    redis: aioredis.Redis, keys: Keys, new_client: Callable[[], Any]
 ) -> None:
     """A subscription made while the blocking read waits past its position must still get every entry
     from its own offset, in order (the in-flight read's batch skips what it needs)."""
     store = RequestStore(redis, keys)
     item = await _started(store)
     await store.write_step([StepOp(item, i, 1, f"t{i}", 1) for i in range(5)], "w1")
-    reader_r = aioredis.from_url(redis_url)
-    reader = LogReader(reader_r, keys.wake("test"), block_ms=1000)
+    reader_r = new_client()
+    reader = LogReader(reader_r, keys, "test", block_ms=1000)
     reader.start()
     try:
         ahead = reader.subscribe(item.log_key, 5)  # the read now blocks waiting for offset 5
         await asyncio.sleep(0.2)
         # Join without waking the reader, so that the in-flight read (from offset 5) returns the next
         # entry first: the worst case of a wake-up that arrives after the write.
-        wake = reader._wake
-        reader._wake = asyncio.Event()
+        part = reader.reader_for(item.log_key)
+        wake = part._wake
+        part._wake = asyncio.Event()
         late = reader.subscribe(item.log_key, 0)
-        reader._wake = wake
+        part._wake = wake
         await store.write_step([StepOp(item, 5, 1, "t5", 1)], "w1")
         got = [await asyncio.wait_for(late.queue.get(), 5) for _ in range(6)]
         assert [e.offset for e in got] == [0, 1, 2, 3, 4, 5]
@@ -189,7 +214,7 @@ async def test_per_user_limit_counts_queued_and_running_requests(redis: aioredis
     assert (await store.submit("u2", "x", "fp", PAYLOAD)).outcome == "new"  # per user
 
     # Running counts too; a request that ends in any way frees its place: finished, cancelled, expired.
-    entries = await store.take("w1", count=10, block_ms=100)
+    entries = await store.take("w1", partition=store.keys.partition("u1"), count=10, block_ms=100)
     items = {i.req_key: i for q, e, k in entries if (i := await store.start("w1", e, k, q)) is not None}
     item_a = items[keys.request("u1", "a")]
     assert (await store.submit("u1", "c", "fp", PAYLOAD)).outcome == "user_limit"
@@ -208,3 +233,36 @@ async def test_no_per_user_limit_by_default(redis: aioredis.Redis, keys: Keys) -
     await store.ensure_group()
     assert {(await store.submit("u1", f"r{i}", "fp", PAYLOAD)).outcome for i in range(20)} == {"new"}
     assert not await redis.exists(keys.inflight("u1"))
+
+
+async def test_one_step_spans_partitions_and_a_shared_cache_entry_crosses_slots(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    """One engine step writes requests of owners in several partitions (on a cluster: several masters,
+    one pipeline), and the shared response-cache entry of one of them is written after its transition
+    (another slot) and answers another owner's identical request."""
+    store = RequestStore(redis, keys)
+    await store.ensure_group("w1")
+    owners = [f"u{i}" for i in range(6)]
+    for o in owners:
+        cache = "same-question" if o == "u0" else ""
+        res = await store.submit(o, "r", "fp", {**PAYLOAD, "owner": o}, cache_key=cache, shared_cache=True)
+        assert res.outcome == "new"
+    items = []
+    for p in sorted({keys.partition(o) for o in owners}):
+        for queue, entry_id, req_key in await store.take("w1", 10, 100, partition=p):
+            item = await store.start("w1", entry_id, req_key, queue)
+            assert item is not None
+            items.append(item)
+    assert len(items) == len(owners)
+    ops = [StepOp(it, 0, 2, "ok", 3, token_ids=(1, 2), finish="stop", reply_text="ok") for it in items]
+    assert await store.write_step(ops, "w1") == [True] * len(owners)
+    for o in owners:
+        info = await store.get(o, "r")
+        assert info is not None and (info.state, info.completion_tokens) == ("done", 2)
+    # The cache entry written after u0's finish answers another owner at once, without a worker.
+    hit = await store.submit(
+        "v", "r", "fp", {**PAYLOAD, "owner": "v"}, cache_key="same-question", shared_cache=True
+    )
+    assert (hit.outcome, hit.state) == ("cached", "done")
+    assert [e[1][b"t"] for e in await redis.xrange(keys.log("v", "r")) if b"t" in e[1]] == [b"ok"]

@@ -1,6 +1,6 @@
 -- Append one delta to a running request's token log, fenced by the worker id and the offset.
 -- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] the worker's set of running requests,
--- KEYS[4] shared work queue stream, KEYS[5] queued-requests counter
+-- KEYS[4] the partition's work queue stream, KEYS[5] its queued-requests counter (one partition, one slot)
 -- ARGV: 1 worker id, 2 offset, 3 n tokens, 4 text, 5 prompt tokens, 6 token ids (comma-separated),
 --       7 retention_ms, 8 how many times a request may be re-queued for an offset mismatch
 -- The stream entry id is "<offset>-1", so XRANGE/XREAD from "<offset>-0" start exactly at that offset and a

@@ -1,6 +1,7 @@
 -- Cancel a request that has not ended: -> cancelled, and end its log so every attached reader gets done.
 -- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] queued-requests counter, KEYS[4] the set of
---   running requests of the worker the caller saw holding it (any key when it saw none)
+--   running requests of the worker the caller saw holding it (any key of the partition when it saw none;
+--   all keys are in the request's partition: one hash slot)
 -- ARGV: 1 retention_ms, 2 the worker id the caller saw in the request ("" for none)
 -- Returns the state before the call ("queued", "running", or a final state, for which nothing changes),
 -- false when the request does not exist, or "moved" (nothing changed) when another worker holds it now

@@ -1,13 +1,15 @@
 -- End a running request: running -> done | failed, write the log's end entry, extend retention, and on a
 -- normal end of a session turn append the user message and the reply to the session history.
--- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] session history list, KEYS[4] the worker's set,
--- KEYS[5] the request's response-cache entry (as start.lua returned it; any key when it has none)
+-- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] session history list, KEYS[4] the worker's set
+--   of running requests in this partition (all in the owner's partition: one hash slot)
 -- ARGV: 1 worker id, 2 finish reason (stop|length|error), 3 prompt tokens, 4 reply text,
---       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms,
---       10 response-cache ttl_ms
--- A request that carries a response-cache key and ends normally leaves a copy of its log in the cache.
--- Returns 1 (also for a retry of this worker's own finish), or 0 when the request is not running for this
--- worker (then nothing changes).
+--       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms
+-- A request that carries a response-cache key and ends normally returns the cache entry (JSON) instead
+-- of 1: the caller writes it with a separate SET, since a shared cache entry lives in another slot. A crash
+-- between the two loses only that cache entry (a later identical chat is generated again), never the
+-- request, its log or its history, which this transition writes.
+-- Returns 1 (also for a retry of this worker's own finish), the cache entry, or 0 when the request is not
+-- running for this worker (then nothing changes).
 local req = KEYS[1]
 local f = redis.call('HMGET', req, 'state', 'worker', 'completion_tokens', 'user_msg', 'cache_key')
 if f[2] == ARGV[1] and (f[1] == 'done' or f[1] == 'failed') then
@@ -33,7 +35,8 @@ redis.call('XADD', KEYS[2], total .. '-2', unpack(entry))
 redis.call('PEXPIRE', req, ARGV[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('SREM', KEYS[4], req)
-if state == 'done' and f[5] and f[5] ~= '' and f[5] == KEYS[5] then
+local cache = nil
+if state == 'done' and f[5] and f[5] ~= '' then
   local entries = {}
   for _, e in ipairs(redis.call('XRANGE', KEYS[2], '-', '+')) do
     local kv = {}
@@ -42,7 +45,7 @@ if state == 'done' and f[5] and f[5] ~= '' and f[5] == KEYS[5] then
       table.insert(entries, {tonumber(kv['o']), tonumber(kv['n']), kv['t'], kv['k'] or ''})
     end
   end
-  redis.call('SET', KEYS[5], cjson.encode({e = entries, d = reason, pt = tonumber(ARGV[3])}), 'PX', ARGV[10])
+  cache = cjson.encode({e = entries, d = reason, pt = tonumber(ARGV[3])})
 end
 if state == 'done' and f[4] and f[4] ~= '' then
   local reply = cjson.encode({role = 'assistant', content = ARGV[4]})
@@ -50,4 +53,4 @@ if state == 'done' and f[4] and f[4] ~= '' then
   redis.call('LTRIM', KEYS[3], -tonumber(ARGV[8]), -1)
   redis.call('PEXPIRE', KEYS[3], ARGV[9])
 end
-return 1
+return cache or 1

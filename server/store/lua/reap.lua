@@ -1,26 +1,22 @@
--- Re-queue the work of a worker whose lease lapsed: its running requests (running -> queued, so a live
--- worker continues each from its prompt plus the tokens already logged), the entries of its affinity
--- queue, and the shared-queue entries it had read but not started. The dead worker can no longer append
--- (fenced by the worker id in append.lua). Atomic per dead worker: two reapers racing re-queue each
--- request once. Only unacknowledged work moves: start.lua deletes every entry it consumes, so whatever
--- is left in a queue is work not yet started, and the script's cost is bounded by that, not by history.
--- KEYS[1] workers lease zset (member = worker id, score = lease expiry ms), KEYS[2] the dead worker's
---   set of running requests, KEYS[3] shared work queue stream, KEYS[4] queued-requests counter,
---   KEYS[5] the dead worker's own queue (requests routed to it by session affinity, not yet started),
---   KEYS[6] workers load hash, KEYS[7..] the members of KEYS[2] as the caller read them (declared keys)
--- ARGV: 1 dead worker id, 2 "self" when a draining worker hands its own requests back (lease ignored),
---   3 consumer group
--- Returns the number of running requests re-queued, -1 if the worker's lease is in fact live, or -2
--- (nothing changed) if KEYS[2] holds a request the caller did not declare: it reads the set and retries.
+-- Re-queue the work one worker left in one partition, once its lease has lapsed (the caller checked it,
+-- lease.lua; the lease lives in another slot) or when it hands its own work back: its running requests
+-- (running -> queued, so a live worker continues each from its prompt plus the tokens already logged),
+-- the entries of its affinity queue, and the queue entries it had read but not started. The worker can no
+-- longer append (fenced by the worker id in append.lua). Atomic per partition: two reapers racing
+-- re-queue each request once. Only unacknowledged work moves: start.lua deletes every entry it consumes,
+-- so whatever is left in a queue is work not yet started, and the script's cost is bounded by that.
+-- All keys are in one partition (one hash slot):
+-- KEYS[1] the worker's set of running requests, KEYS[2] the work queue stream, KEYS[3] queued-requests
+--   counter, KEYS[4] the worker's own queue (requests routed to it by session affinity, not yet started),
+--   KEYS[5..] the members of KEYS[1] as the caller read them (declared keys)
+-- ARGV: 1 worker id, 2 consumer group
+-- Returns the number of running requests re-queued, or -2 (nothing changed) if KEYS[1] holds a request
+-- the caller did not declare: it reads the set and retries.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if ARGV[2] ~= 'self' and expiry and tonumber(expiry) >= now then
-  return -1
-end
 local declared = {}
-for i = 7, #KEYS do declared[KEYS[i]] = true end
-local members = redis.call('SMEMBERS', KEYS[2])
+for i = 5, #KEYS do declared[KEYS[i]] = true end
+local members = redis.call('SMEMBERS', KEYS[1])
 for _, req in ipairs(members) do
   if not declared[req] then return -2 end
 end
@@ -30,31 +26,30 @@ for _, req in ipairs(members) do
   if f[1] == 'running' and f[2] == ARGV[1] then
     redis.call('HSET', req, 'state', 'queued', 'worker', '', 'updated_ms', now)
     redis.call('HINCRBY', req, 'requeues', 1)
-    redis.call('INCR', KEYS[4])
-    redis.call('XADD', KEYS[3], '*', 'req', req)
+    redis.call('INCR', KEYS[3])
+    redis.call('XADD', KEYS[2], '*', 'req', req)
     n = n + 1
   end
 end
--- Its affinity queue: whatever was routed to it and not started moves to the shared queue.
-for _, e in ipairs(redis.call('XRANGE', KEYS[5], '-', '+')) do
-  redis.call('XADD', KEYS[3], '*', 'req', e[2][2])
+-- Its affinity queue: whatever was routed to it and not started moves to the shared queue. Deleting it
+-- (below) also stops submit.lua from routing more work there (it queues only to an existing one).
+for _, e in ipairs(redis.call('XRANGE', KEYS[4], '-', '+')) do
+  redis.call('XADD', KEYS[2], '*', 'req', e[2][2])
 end
--- Shared-queue entries delivered to it but never started (it died between reading and starting them):
--- without this they would stay pending to a consumer that is gone, and their requests queued forever.
-local ok, pending = pcall(redis.call, 'XPENDING', KEYS[3], ARGV[3], '-', '+', 100000, ARGV[1])
+-- Queue entries delivered to it but never started (it died between reading and starting them): without
+-- this they would stay pending to a consumer that is gone, and their requests queued forever.
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[2], ARGV[2], '-', '+', 100000, ARGV[1])
 if ok then
   for _, p in ipairs(pending) do
-    local e = redis.call('XRANGE', KEYS[3], p[1], p[1])
+    local e = redis.call('XRANGE', KEYS[2], p[1], p[1])
     if e[1] then
-      redis.call('XADD', KEYS[3], '*', 'req', e[1][2][2])
+      redis.call('XADD', KEYS[2], '*', 'req', e[1][2][2])
     end
-    redis.call('XACK', KEYS[3], ARGV[3], p[1])
-    redis.call('XDEL', KEYS[3], p[1])
+    redis.call('XACK', KEYS[2], ARGV[2], p[1])
+    redis.call('XDEL', KEYS[2], p[1])
   end
   -- Consumers are kept in the group until deleted: one per worker name ever seen would grow forever.
-  redis.call('XGROUP', 'DELCONSUMER', KEYS[3], ARGV[3], ARGV[1])
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[2], ARGV[2], ARGV[1])
 end
-redis.call('DEL', KEYS[2], KEYS[5])
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[6], ARGV[1])
+redis.call('DEL', KEYS[1], KEYS[4])
 return n

@@ -3,7 +3,7 @@
 -- One transition: the entry is never consumed without the request moving, nor the other way round.
 -- KEYS[1] request hash, KEYS[2] queued-requests counter, KEYS[3] token log, KEYS[4] this worker's set of
 --   running requests (what another worker re-queues if this one's lease lapses), KEYS[5] the queue stream
---   the entry came from
+--   the entry came from (all in the request's partition: one hash slot)
 -- ARGV: 1 worker id, 2 retention_ms, 3 consumer group, 4 queue entry id
 -- Returns {payload, completion_tokens, epoch, queue wait ms, response-cache key or ""} or false when the request is gone or no longer
 -- queued (cancelled while it waited, or nobody attached for detach_timeout: then it is cancelled here).

@@ -1,15 +1,20 @@
 -- Create a request, or attach to the one with the same id (idempotent retry), atomically.
--- KEYS[1] request hash, KEYS[2] shared work queue stream, KEYS[3] queued-requests counter,
--- KEYS[4] the preferred worker's own queue (session affinity; "" for none), KEYS[5] workers lease zset,
--- KEYS[6] token log stream, KEYS[7] response-cache entry ("" when the request is not cacheable),
--- KEYS[8] session history list, KEYS[9] the owner's in-flight set ("" when there is no per-user limit),
+-- Every key is in the owner's partition (one hash slot: keys.py); a key not needed is passed as KEYS[1].
+-- KEYS[1] request hash, KEYS[2] the partition's work queue stream, KEYS[3] its queued-requests counter,
+-- KEYS[4] the preferred worker's own queue in this partition (session affinity; ARGV[10] says whether
+-- there is one), KEYS[5] unused (KEYS[1]), KEYS[6] token log stream, KEYS[7] unused (KEYS[1]),
+-- KEYS[8] session history list, KEYS[9] the owner's in-flight set (used when ARGV[14] > 0),
 -- KEYS[10] the session hash (content-mode turns: its "turn" field names the session's latest turn),
 -- KEYS[11..] the members of KEYS[9] as the caller read them (declared, so this script may read them)
 -- ARGV: 1 owner, 2 id, 3 fingerprint, 4 payload (JSON), 5 session, 6 user message (JSON or ""),
 --       7 ttl_ms (a bound on how long an unfinished request may linger), 8 max_queued (0 = unbounded),
 --       9 detach_timeout_ms, 10 preferred worker id ("" for none), 11 retention_ms,
 --       12 history max messages, 13 session ttl_ms, 14 max requests in flight per owner (0 = unbounded),
---       15 "1" for a content-mode turn, 16 the id of the session's latest turn the caller waited for ("" none)
+--       15 "1" for a content-mode turn, 16 the id of the session's latest turn the caller waited for ("" none),
+--       17 requests queued in the other partitions (as the caller read them just before: the queue limit
+--       is global, its other partitions live in other slots), 18 the response-cache entry the caller read
+--       ("" for none: not cacheable, or a miss), 19 the response-cache key this request's log is cached
+--       under when it ends normally ("" when not cacheable)
 -- Returns {"attach", epoch, state} | {"conflict", 0, state} | {"overloaded", queued, ""} | {"new", 1, "queued"}
 --       | {"user_limit", in_flight, ""} (the owner already has that many queued or running; nothing written)
 --       | {"cached", 1, "done"} (answered from the response cache: the log is written, no worker runs)
@@ -21,8 +26,12 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local existing = redis.call('HMGET', req, 'fp', 'epoch', 'state')
 if existing[1] then
   if existing[1] == ARGV[3] then
-    -- A retry is also a sign of life: the client is attached again.
-    redis.call('HSET', req, 'attached_until', now + tonumber(ARGV[9]))
+    -- A retry is also a sign of life: the client is attached again. Only ever extended (as touch.lua):
+    -- a background response's long deadline survives a retry that carries the usual detach timeout.
+    local deadline = now + tonumber(ARGV[9])
+    if tonumber(redis.call('HGET', req, 'attached_until') or '0') < deadline then
+      redis.call('HSET', req, 'attached_until', deadline)
+    end
     return {'attach', tonumber(existing[2]), existing[3]}
   end
   return {'conflict', 0, existing[3]}
@@ -40,10 +49,9 @@ if ARGV[15] == '1' and (redis.call('HGET', KEYS[10], 'turn') or '') ~= ARGV[16] 
 end
 -- A deterministic request seen recently: write its cached log and finish it here. Checked before the
 -- queue limit, so cached answers are still served under overload.
-if KEYS[7] ~= '' then
-  local cached = redis.call('GET', KEYS[7])
-  if cached then
-    local c = cjson.decode(cached)
+if ARGV[18] ~= '' then
+  do
+    local c = cjson.decode(ARGV[18])
     local total = 0
     local reply = {}
     for _, e in ipairs(c.e) do
@@ -91,7 +99,7 @@ if max_inflight > 0 then
   end
 end
 local max_queued = tonumber(ARGV[8])
-local queued = tonumber(redis.call('GET', KEYS[3]) or '0')
+local queued = tonumber(redis.call('GET', KEYS[3]) or '0') + tonumber(ARGV[17])
 if max_queued > 0 and queued >= max_queued then
   return {'overloaded', queued, ''}
 end
@@ -99,21 +107,20 @@ redis.call('HSET', req,
   'owner', ARGV[1], 'id', ARGV[2], 'fp', ARGV[3], 'payload', ARGV[4],
   'epoch', 1, 'state', 'queued', 'created_ms', now, 'updated_ms', now,
   'session', ARGV[5], 'user_msg', ARGV[6], 'completion_tokens', 0, 'prompt_tokens', 0,
-  'attached_until', now + tonumber(ARGV[9]), 'cache_key', KEYS[7])
+  'attached_until', now + tonumber(ARGV[9]), 'cache_key', ARGV[19])
 redis.call('PEXPIRE', req, ARGV[7])
 redis.call('INCR', KEYS[3])
 if max_inflight > 0 then
   redis.call('SADD', KEYS[9], req)
   redis.call('PEXPIRE', KEYS[9], ARGV[7])
 end
--- The preferred worker's queue only while its lease is live: reap.lua removes the lease and drains that
--- queue in one step, so nothing can be left behind in the queue of a dead worker.
+-- The preferred worker's queue only while it exists: the worker creates it (with its consumer group)
+-- when it starts, and reap.lua drains and deletes it in one step when the worker's lease has lapsed, so
+-- nothing can be left behind in the queue of a reaped worker. (The lease itself lives in another slot;
+-- the caller prefers only workers it saw live.)
 local queue = KEYS[2]
-if KEYS[4] ~= '' then
-  local expiry = redis.call('ZSCORE', KEYS[5], ARGV[10])
-  if expiry and tonumber(expiry) >= now then
-    queue = KEYS[4]
-  end
+if ARGV[10] ~= '' and redis.call('EXISTS', KEYS[4]) == 1 then
+  queue = KEYS[4]
 end
 redis.call('XADD', queue, '*', 'req', req)
 record_turn()

@@ -1,12 +1,17 @@
--- Mark requests as having a client attached until now + ARGV[1] ms (the detach timeout), for every key
--- that still exists (HSET alone would resurrect an expired request as a stray hash).
--- KEYS: request hashes. Returns how many were touched.
+-- Mark requests as having a client attached until at least now + ARGV[1] ms (the detach timeout), for
+-- every key that still exists (HSET alone would resurrect an expired request as a stray hash).
+-- Only ever extends attached_until: a request given a longer deadline (a background HTTP response,
+-- submitted with its unfinished TTL) keeps it when a WebSocket client resumes it with the usual 30 s.
+-- KEYS: request hashes. Returns how many were touched (existing ones, whether or not their deadline moved).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local deadline = now + tonumber(ARGV[1])
 local n = 0
 for _, req in ipairs(KEYS) do
   if redis.call('EXISTS', req) == 1 then
-    redis.call('HSET', req, 'attached_until', now + tonumber(ARGV[1]))
+    if tonumber(redis.call('HGET', req, 'attached_until') or '0') < deadline then
+      redis.call('HSET', req, 'attached_until', deadline)
+    end
     n = n + 1
   end
 end

@@ -261,11 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in SECTIONS:
         saved = work / f"section-{name}.json"
         if name in only:
+            start, load_before = time.gmtime(), os.getloadavg()[0]
             section = {
-                "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "measured": time.strftime("%Y-%m-%d %H:%M UTC", start),
                 "machine": machine,
                 "quick": args.quick,
                 "results": RUNNERS[name](work, args.quick),
+                # The 1-minute load average before and after: what else the machine was doing (a
+                # section's own servers and clients load 2 cores by themselves).
+                "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             }
             saved.write_text(json.dumps(section, indent=2))
         elif saved.is_file():
@@ -273,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             continue
         results.update(section["results"])
-        results["measured"][name] = section["measured"] + (" (--quick)" if section.get("quick") else "")
+        load = section.get("load")
+        results["measured"][name] = (
+            section["measured"] + (" (--quick)" if section.get("quick") else ""),
+            f"{load[0]} / {load[1]}" if load else "—",
+        )
 
     (work / "all.json").write_text(json.dumps(results, indent=2))
     args.out.write_text(render(results, quick=args.quick))
@@ -400,12 +408,13 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         f"on one machine ({r['machine']}) and writes this file. Every ratio compares numbers measured side",
         "by side within one section's run. `--only SECTIONS` re-runs some sections and keeps the others",
         "from the earlier run, so the sections were measured at these times (a quiet machine matters more",
-        "than one sitting). Nothing here is edited by hand."
+        "than one sitting), with this load on the machine (its own servers and clients load 2 cores by",
+        "themselves; more means something else ran too). Nothing here is edited by hand."
         + (" **This was a --quick run: not for comparison.**" if quick else ""),
         "",
-        "| section | measured |",
-        "| --- | --- |",
-        *(f"| {name} | {when} |" for name, when in measured.items()),
+        "| section | started | load average before / after |",
+        "| --- | --- | --- |",
+        *(f"| {name} | {when} | {load} |" for name, (when, load) in measured.items()),
     ]
     if "engine" in r:
         lines += _render_engine(r)

@@ -56,11 +56,23 @@ class Keys:
 
     @property
     def queue(self) -> str:
+        """The default model's work queue (a stream with one consumer group of workers)."""
         return f"{self.prefix}queue"
 
     @property
     def queued_count(self) -> str:
+        """How many of the default model's requests are queued."""
         return f"{self.prefix}queued"
+
+    def model_queue(self, route: str) -> str:
+        """The work queue of one model: ``route`` is "" for the deployment's default model (the
+        :attr:`queue` above, so a deployment of one model keeps its keys) or another model's name. Only
+        workers holding that model read it."""
+        return f"{self.prefix}queue:m:{route}" if route else self.queue
+
+    def model_queued_count(self, route: str) -> str:
+        """The queued-requests counter of one model's queue (``route`` as in :meth:`model_queue`)."""
+        return f"{self.prefix}queued:m:{route}" if route else self.queued_count
 
     @property
     def workers(self) -> str:
@@ -71,6 +83,12 @@ class Keys:
     def workers_load(self) -> str:
         """Hash: worker id -> "running/capacity", for session-affinity routing."""
         return f"{self.prefix}wload"
+
+    @property
+    def worker_models(self) -> str:
+        """Hash: worker id -> JSON ``{"model", "route"}``, the model that worker holds (written with each
+        heartbeat, removed when the worker is reaped); gateways list the models of live workers."""
+        return f"{self.prefix}wmodels"
 
     def worker_queue(self, worker: str) -> str:
         """A worker's own queue: requests routed to it by session affinity."""

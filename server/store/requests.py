@@ -12,6 +12,7 @@ therefore starts exactly at offset ``o``, and a second write of an offset is imp
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -47,7 +48,7 @@ def _s(v: Any) -> str:
 
 
 # The request hash's fields that make a RequestInfo, in the order _info reads them.
-_INFO_FIELDS = ("state", "epoch", "completion_tokens", "prompt_tokens", "finish_reason", "session")
+_INFO_FIELDS = ("state", "epoch", "completion_tokens", "prompt_tokens", "finish_reason", "session", "model")
 
 
 def _info(owner: str, id: str, f: list[Any]) -> RequestInfo:
@@ -61,6 +62,7 @@ def _info(owner: str, id: str, f: list[Any]) -> RequestInfo:
         prompt_tokens=int(f[3] or 0),
         finish_reason=_s(f[4]) if f[4] is not None else None,
         session=_s(f[5] or b""),
+        model=_s(f[6] or b""),
     )
 
 
@@ -82,6 +84,7 @@ class RequestInfo:
     prompt_tokens: int
     finish_reason: str | None
     session: str
+    model: str = ""  # the model that serves it ("" for requests made before models had names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,7 @@ class WorkItem:
     epoch: int
     queue_wait_ms: int = 0  # from creation (or re-queue) to this start, on the Redis clock
     cache_key: str = ""  # the response-cache entry its log is copied to when it ends normally ("" for none)
+    route: str = ""  # its model's queue (Keys.model_queue): where it goes back to if re-queued
 
 
 @dataclass(slots=True)
@@ -173,6 +177,8 @@ class RequestStore:
         shared_cache: bool = False,
         turn_after: str | None = None,
         detach_timeout_ms: int | None = None,
+        model: str = "",
+        route: str = "",
     ) -> SubmitResult:
         """Create request ``(owner, id)`` and queue it, or report what exists under that id. Atomic.
 
@@ -192,16 +198,22 @@ class RequestStore:
         otherwise this request becomes the session's latest turn. None: not a content-mode turn.
         ``detach_timeout_ms`` overrides the detach timeout of this request (a background HTTP response
         passes its unfinished TTL: nobody needs to stay attached to it).
+        ``model`` names the model that serves it (recorded for ``accepted.model``); ``route`` picks that
+        model's queue and counter (``Keys.model_queue``: "" for the default model). Session affinity
+        (``prefer``) applies to the default model's queue only: a reaped worker's affinity queue drains
+        into the default queue.
         """
         k = self.keys
         st = self.settings
         inflight = k.inflight(owner) if st.max_inflight_per_user else ""
         members = sorted(_s(m) for m in await self.r.smembers(inflight)) if inflight else []
+        if route:
+            prefer = ""
         res = await self._submit(
             keys=[
                 k.request(owner, id),
-                k.queue,
-                k.queued_count,
+                k.model_queue(route),
+                k.model_queued_count(route),
                 k.worker_queue(prefer) if prefer else "",
                 k.workers,
                 k.log(owner, id),
@@ -228,6 +240,8 @@ class RequestStore:
                 st.max_inflight_per_user,
                 "" if turn_after is None else "1",
                 turn_after or "",
+                model,
+                route,
             ],
         )
         outcome, epoch, state = _s(res[0]), int(res[1]), _s(res[2])
@@ -250,6 +264,7 @@ class RequestStore:
         if f[0] is None:
             return None
         info = _info(owner, id, f)
+        n = len(_INFO_FIELDS)
         text: list[str] = []
         error_code = error_message = ""
         for _id, fields in entries:
@@ -260,8 +275,8 @@ class RequestStore:
                 text.append(_s(fields[b"t"]))
         return RequestView(
             info=info,
-            payload=json.loads(_s(f[6])) if f[6] else {},
-            created_ms=int(f[7] or 0),
+            payload=json.loads(_s(f[n])) if f[n] else {},
+            created_ms=int(f[n + 1] or 0),
             text="".join(text),
             error_code=error_code,
             error_message=error_message,
@@ -273,9 +288,10 @@ class RequestStore:
         k = self.keys
         req = k.request(owner, id)
         while True:
-            worker = _s(await self.r.hget(req, "worker") or b"")
+            worker_b, route_b = await self.r.hmget(req, ["worker", "route"])
+            worker, route = _s(worker_b or b""), _s(route_b or b"")
             res = await self._cancel(
-                keys=[req, k.log(owner, id), k.queued_count, k.worker_requests(worker)],
+                keys=[req, k.log(owner, id), k.model_queued_count(route), k.worker_requests(worker)],
                 args=[self.settings.retention_ms, worker],
             )
             if res is None:
@@ -303,9 +319,11 @@ class RequestStore:
 
     # ---- worker side ---------------------------------------------------------------------------
 
-    async def ensure_group(self, worker: str | None = None) -> None:
-        """Create the consumer group on the shared queue and on ``worker``'s own queue (idempotent)."""
-        queues = [self.keys.queue] + ([self.keys.worker_queue(worker)] if worker else [])
+    async def ensure_group(self, worker: str | None = None, routes: tuple[str, ...] = ("",)) -> None:
+        """Create the consumer group on the queues of ``routes`` (models, Keys.model_queue) and on
+        ``worker``'s own queue (idempotent)."""
+        queues = [self.keys.model_queue(r) for r in routes]
+        queues += [self.keys.worker_queue(worker)] if worker else []
         for q in queues:
             try:
                 await self.r.xgroup_create(q, self.GROUP, id="0", mkstream=True)
@@ -314,15 +332,22 @@ class RequestStore:
                     raise
 
     async def take(
-        self, worker: str, count: int, block_ms: int, *, pending: bool = False
+        self,
+        worker: str,
+        count: int,
+        block_ms: int,
+        *,
+        pending: bool = False,
+        routes: tuple[str, ...] = ("",),
     ) -> list[tuple[str, str, str]]:
-        """Next entries for this worker from its own queue and the shared one, in one blocking read:
-        [(queue, entry id, request key)]. Blocks up to ``block_ms``. ``pending=True``: instead, the
-        entries already delivered to this worker and not yet started (after a failure between reading
-        and starting them; without this they would wait for this worker's death to be re-queued)."""
+        """Next entries for this worker from its own queue and the queues of the models it holds
+        (``routes``, Keys.model_queue), in one blocking read: [(queue, entry id, request key)]. Blocks up
+        to ``block_ms``. ``pending=True``: instead, the entries already delivered to this worker and not
+        yet started (after a failure between reading and starting them; without this they would wait for
+        this worker's death to be re-queued)."""
         own = self.keys.worker_queue(worker)
         start = "0" if pending else ">"
-        streams: Any = {own: start, self.keys.queue: start}
+        streams: Any = {own: start, **{self.keys.model_queue(r): start for r in routes}}
         try:
             res: Any = await self.r.xreadgroup(self.GROUP, worker, streams, count=count, block=block_ms)
         except aioredis.ResponseError as exc:
@@ -330,7 +355,7 @@ class RequestStore:
                 raise
             # Our own queue does not exist (yet, or any more: a reaper drained and deleted it after our
             # lease lapsed). Recreate it and read again.
-            await self.ensure_group(worker)
+            await self.ensure_group(worker, routes)
             res = await self.r.xreadgroup(self.GROUP, worker, streams, count=count, block=block_ms)
         out: list[tuple[str, str, str]] = []
         for stream, entries in res or []:
@@ -340,18 +365,25 @@ class RequestStore:
         return out
 
     async def start(
-        self, worker: str, entry_id: str, req_key: str, queue: str | None = None
+        self, worker: str, entry_id: str, req_key: str, queue: str | None = None, route: str = ""
     ) -> WorkItem | None:
         """queued → running for ``worker`` and consume the queue entry (acknowledged and deleted), in one
         Lua transition: never one without the other.
 
         None if the request is no longer queued (cancelled while waiting, detached too long, expired); the
-        entry is consumed either way.
+        entry is consumed either way. ``route``: the model whose queued counter counts it (the entry's
+        queue is that model's queue, or this worker's own, which holds only the default model's).
         """
-        queue = queue or self.keys.queue
+        queue = queue or self.keys.model_queue(route)
         log_key = self.keys.log_of(req_key)
         res = await self._start(
-            keys=[req_key, self.keys.queued_count, log_key, self.keys.worker_requests(worker), queue],
+            keys=[
+                req_key,
+                self.keys.model_queued_count(route),
+                log_key,
+                self.keys.worker_requests(worker),
+                queue,
+            ],
             args=[worker, self.settings.retention_ms, self.GROUP, entry_id],
         )
         if not res:
@@ -366,6 +398,7 @@ class RequestStore:
             epoch=int(res[2]),
             queue_wait_ms=int(res[3]),
             cache_key=_s(res[4]) if len(res) > 4 else "",
+            route=route,
         )
 
     async def logged_tokens(self, log_key: str) -> tuple[list[int], str]:
@@ -399,7 +432,13 @@ class RequestStore:
             n = 0
             if op.n > 0:
                 await self._append(
-                    keys=[op.item.req_key, op.item.log_key, wreqs, self.keys.queue, self.keys.queued_count],
+                    keys=[
+                        op.item.req_key,
+                        op.item.log_key,
+                        wreqs,
+                        self.keys.model_queue(op.item.route),
+                        self.keys.model_queued_count(op.item.route),
+                    ],
                     args=[
                         worker,
                         op.offset,
@@ -446,46 +485,90 @@ class RequestStore:
             i += n
         return out
 
-    async def heartbeat(self, worker: str, running: int = 0, capacity: int = 0) -> list[str]:
-        """Renew this worker's lease and publish its load; returns workers whose leases have lapsed."""
-        dead = await self._heartbeat(
+    async def heartbeat(
+        self, worker: str, running: int = 0, capacity: int = 0, *, model: str = "", route: str = ""
+    ) -> list[str]:
+        """Renew this worker's lease and publish its load and the model it holds (``model``, whose queue
+        is ``route``; gateways list the models of live workers); returns workers whose leases have lapsed.
+        One round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        await self._heartbeat(
             keys=[self.keys.workers, self.keys.workers_load],
             args=[worker, self.settings.lease_ttl_ms, running, capacity],
+            client=pipe,
         )
+        if model:
+            pipe.hset(self.keys.worker_models, worker, json.dumps({"model": model, "route": route}))
+        dead = (await execute(pipe))[0]
         return [_s(d) for d in dead or []]
 
+    async def served_models(self) -> dict[str, tuple[str, str]]:
+        """The models live workers hold: worker id -> (model, route). A worker's entry goes with its
+        lease (reaped: removed; lapsed: not listed)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(self.keys.workers, 0, -1, withscores=True)
+        pipe.hgetall(self.keys.worker_models)
+        (sec, usec), members, models = await execute(pipe)
+        now = int(sec) * 1000 + int(usec) // 1000
+        out: dict[str, tuple[str, str]] = {}
+        for member, expiry in members:
+            raw = models.get(member)
+            if expiry >= now and raw:
+                try:
+                    m = json.loads(raw)
+                    out[_s(member)] = (str(m["model"]), str(m.get("route") or ""))
+                except (ValueError, KeyError, TypeError):
+                    continue  # not ours to interpret (a newer version's entry): skip it
+        return out
+
     async def reap(self, dead_worker: str, *, own: bool = False) -> int:
-        """Re-queue a lapsed worker's running requests, and move its affinity queue and the shared-queue
-        entries it read but never started to the shared queue, atomically; the number of running requests
-        re-queued, or -1 if its lease turned out live. ``own=True``: a draining worker hands back its own.
-        Moves only work not yet acknowledged (queues hold nothing else), so its cost is bounded by that."""
+        """Re-queue a lapsed worker's running requests (each to its own model's queue), and move its
+        affinity queue to the default queue and the entries it read from a model's queue but never started
+        back to that queue, atomically per queue; the number of running requests re-queued, or -1 if its
+        lease turned out live. ``own=True``: a draining worker hands back its own. Moves only work not yet
+        acknowledged (queues hold nothing else), so its cost is bounded by that."""
         k = self.keys
+        advertised = await self.r.hget(k.worker_models, dead_worker)
+        route = ""
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            route = str(json.loads(advertised or b"{}").get("route") or "")
         while True:
             running = sorted(_s(m) for m in await self.r.smembers(k.worker_requests(dead_worker)))
+            routes: list[str] = []
+            if running:
+                pipe = self.r.pipeline(transaction=False)
+                for req in running:
+                    pipe.hget(req, "route")
+                routes = [_s(r or b"") for r in await execute(pipe)]
             n = int(
                 await self._reap(
                     keys=[
                         k.workers,
                         k.worker_requests(dead_worker),
-                        k.queue,
-                        k.queued_count,
+                        k.model_queue(route),
+                        k.model_queued_count(route),
                         k.worker_queue(dead_worker),
                         k.workers_load,
                         *running,
+                        *(key for r in routes for key in (k.model_queue(r), k.model_queued_count(r))),
                     ],
-                    args=[dead_worker, "self" if own else "", self.GROUP],
+                    args=[dead_worker, "self" if own else "", self.GROUP, len(running)],
                 )
             )
             if n != -2:  # -2: it started another request since we read its set
-                return n
+                break
+        if n >= 0:
+            await self.r.hdel(k.worker_models, dead_worker)
+        return n
 
     async def ping(self) -> None:
         """Raise unless the store answers (a round trip; readiness probes call it)."""
         await self.r.ping()
 
-    async def queued(self) -> int:
-        """Requests waiting in the queue (all workers)."""
-        return int(await self.r.get(self.keys.queued_count) or 0)
+    async def queued(self, route: str = "") -> int:
+        """Requests waiting in one model's queue (``route`` as in Keys.model_queue; all workers)."""
+        return int(await self.r.get(self.keys.model_queued_count(route)) or 0)
 
     async def live_workers(self) -> dict[str, tuple[int, int]]:
         """Workers with a live lease: id -> (running, capacity)."""

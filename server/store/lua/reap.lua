@@ -7,9 +7,11 @@
 -- KEYS[1] workers lease zset (member = worker id, score = lease expiry ms), KEYS[2] the dead worker's
 --   set of running requests, KEYS[3] shared work queue stream, KEYS[4] queued-requests counter,
 --   KEYS[5] the dead worker's own queue (requests routed to it by session affinity, not yet started),
---   KEYS[6] workers load hash, KEYS[7..] the members of KEYS[2] as the caller read them (declared keys)
+--   KEYS[6] workers load hash, KEYS[7..6+n] the n members of KEYS[2] as the caller read them (declared
+--   keys), then for each member in that order the work queue and queued counter of its model (a request
+--   goes back to its own model's queue; without them, KEYS[3] and KEYS[4])
 -- ARGV: 1 dead worker id, 2 "self" when a draining worker hands its own requests back (lease ignored),
---   3 consumer group
+--   3 consumer group, 4 n (absent: every key from KEYS[7] is a member)
 -- Returns the number of running requests re-queued, -1 if the worker's lease is in fact live, or -2
 -- (nothing changed) if KEYS[2] holds a request the caller did not declare: it reads the set and retries.
 local t = redis.call('TIME')
@@ -18,8 +20,9 @@ local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if ARGV[2] ~= 'self' and expiry and tonumber(expiry) >= now then
   return -1
 end
+local n_declared = tonumber(ARGV[4] or (#KEYS - 6))
 local declared = {}
-for i = 7, #KEYS do declared[KEYS[i]] = true end
+for i = 7, 6 + n_declared do declared[KEYS[i]] = i - 6 end
 local members = redis.call('SMEMBERS', KEYS[2])
 for _, req in ipairs(members) do
   if not declared[req] then return -2 end
@@ -30,8 +33,10 @@ for _, req in ipairs(members) do
   if f[1] == 'running' and f[2] == ARGV[1] then
     redis.call('HSET', req, 'state', 'queued', 'worker', '', 'updated_ms', now)
     redis.call('HINCRBY', req, 'requeues', 1)
-    redis.call('INCR', KEYS[4])
-    redis.call('XADD', KEYS[3], '*', 'req', req)
+    local j = 6 + n_declared + 2 * declared[req]
+    local queue, counter = KEYS[j - 1] or KEYS[3], KEYS[j] or KEYS[4]
+    redis.call('INCR', counter)
+    redis.call('XADD', queue, '*', 'req', req)
     n = n + 1
   end
 end

@@ -9,7 +9,9 @@
 --       7 ttl_ms (a bound on how long an unfinished request may linger), 8 max_queued (0 = unbounded),
 --       9 detach_timeout_ms, 10 preferred worker id ("" for none), 11 retention_ms,
 --       12 history max messages, 13 session ttl_ms, 14 max requests in flight per owner (0 = unbounded),
---       15 "1" for a content-mode turn, 16 the id of the session's latest turn the caller waited for ("" none)
+--       15 "1" for a content-mode turn, 16 the id of the session's latest turn the caller waited for ("" none),
+--       17 the model that serves it, 18 its route ("" for the default model; KEYS[2] and KEYS[3] are that
+--       model's queue and counter, and reap.lua re-queues the request to them)
 -- Returns {"attach", epoch, state} | {"conflict", 0, state} | {"overloaded", queued, ""} | {"new", 1, "queued"}
 --       | {"user_limit", in_flight, ""} (the owner already has that many queued or running; nothing written)
 --       | {"cached", 1, "done"} (answered from the response cache: the log is written, no worker runs)
@@ -56,7 +58,7 @@ if KEYS[7] ~= '' then
       'owner', ARGV[1], 'id', ARGV[2], 'fp', ARGV[3], 'payload', ARGV[4],
       'epoch', 1, 'state', 'done', 'finish_reason', c.d, 'created_ms', now, 'updated_ms', now,
       'finished_ms', now, 'session', ARGV[5], 'user_msg', ARGV[6], 'completion_tokens', total,
-      'prompt_tokens', c.pt, 'cached', 1)
+      'prompt_tokens', c.pt, 'cached', 1, 'model', ARGV[17] or '', 'route', ARGV[18] or '')
     redis.call('PEXPIRE', req, ARGV[11])
     redis.call('PEXPIRE', KEYS[6], ARGV[11])
     if ARGV[6] ~= '' then
@@ -99,7 +101,8 @@ redis.call('HSET', req,
   'owner', ARGV[1], 'id', ARGV[2], 'fp', ARGV[3], 'payload', ARGV[4],
   'epoch', 1, 'state', 'queued', 'created_ms', now, 'updated_ms', now,
   'session', ARGV[5], 'user_msg', ARGV[6], 'completion_tokens', 0, 'prompt_tokens', 0,
-  'attached_until', now + tonumber(ARGV[9]), 'cache_key', KEYS[7])
+  'attached_until', now + tonumber(ARGV[9]), 'cache_key', KEYS[7],
+  'model', ARGV[17] or '', 'route', ARGV[18] or '')
 redis.call('PEXPIRE', req, ARGV[7])
 redis.call('INCR', KEYS[3])
 if max_inflight > 0 then

@@ -357,6 +357,10 @@ class Connection:
                     expected += n
                 end = batch[-1]
                 if end.finish is not None:
+                    if self._attached.get(id) is not me:
+                        # Replaced while the delta went out (a cancel that arrived as the send completed
+                        # is not seen there): the old stream must end without a done (SPEC §8.9).
+                        return
                     await self._finish(id, end)
                     return
         except ProtocolError as exc:

@@ -82,9 +82,9 @@ class ModelRegistry:
             names.insert(0, default)
         return Served(tuple(names), default)
 
-    async def choose(self, name: str | None) -> Choice:
+    async def choose(self, name: str | None, id: str | None = None) -> Choice:
         """The model a chat asking for ``name`` (None or "default": the default) goes to; an unknown
-        name is ProtocolError ``model_not_found`` (nothing is created)."""
+        name is ProtocolError ``model_not_found`` about request ``id`` (nothing is created)."""
         served = await self.served()
         if name is None or name == DEFAULT_ALIAS:
             # No worker up yet in a cluster: the request waits in the default queue all the same.
@@ -96,5 +96,6 @@ class ModelRegistry:
             raise ProtocolError(
                 ErrorCode.MODEL_NOT_FOUND,
                 f"params.model: {name[:80]!r} is not served here; served models: {listed}"[:300],
+                id=id,
             )
         return Choice(name, served.route(name))

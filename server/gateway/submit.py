@@ -126,7 +126,7 @@ async def submit_chat(gw: Gateway, req: ChatRequest) -> Submitted:
         # A fixed seed per request makes a re-run (another worker after a crash) draw the same text.
         params["seed"] = secrets.randbits(63)
     messages = req.messages
-    model = asked = await gw.models.choose(chat.params.model)
+    model = asked = await gw.models.choose(chat.params.model, chat.id)
     fell_back = False
     if await gw.degraded(model):
         messages, params = degrade(messages, params, st)  # rungs 1 and 2

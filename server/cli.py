@@ -103,9 +103,9 @@ def _models(args: argparse.Namespace) -> tuple[tuple[str, str | None], ...]:
     names = [n for n, _ in specs]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
-        raise SystemExit(
-            f"tokenwire {args.command}: --model: two models named {dup!r}; write --model NAME=DIR"
-        )
+        from server.app import StartupError
+
+        raise StartupError(f"--model: two models named {dup!r}; name them apart with --model NAME=DIR")
     return tuple(specs)
 
 

@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from openai import AsyncOpenAI, NotFoundError
 
-from protocol import Accepted, Done, Error, Params
+from protocol import Accepted, Done, Error, Params, Resume
 from server import metrics
 from server.app import load_engine
 from server.client import Client
@@ -190,6 +190,10 @@ async def test_idempotency_and_cache_include_the_model(
         # Same id, same everything: attached, and told the model it was given.
         _, again = await send(c, "same words", rid, model="light", temperature=0.0)
         assert isinstance(again, Accepted) and again.model == "light" and again.state == "done"
+        await until_done(c, rid)
+        await c.send(Resume(id=rid, offset=0))  # a resume says so too
+        resumed = await accepted(c, rid)
+        assert isinstance(resumed, Accepted) and resumed.model == "light"
         await until_done(c, rid)
         # The response cache answers the same model's identical greedy chat at once (state done) ...
         same, hit = await send(c, "same words", model="light", temperature=0.0)

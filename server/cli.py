@@ -207,6 +207,7 @@ def _chat(args: argparse.Namespace) -> int:
             once=args.message,
             temperature=args.temperature,
             max_tokens=args.max_tokens,
+            model=args.model,
         )
     )
 
@@ -432,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("-m", "--message", help="ask one question, print the streamed answer, exit")
     c.add_argument("--temperature", type=float, help="sampling temperature (default: the server's, 0.2)")
     c.add_argument("--max-tokens", type=int, help="longest reply in tokens (default: the server's, 256)")
+    c.add_argument("--model", help="one of the server's models (default: the server's default model)")
     c.set_defaults(func=_chat)
 
     b = sub.add_parser(

@@ -14,7 +14,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import structlog
 
@@ -145,6 +145,7 @@ class Worker:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
+        Worker._running.pop(self.name, None)
         await cancel_and_wait(list(self._preparing))
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
@@ -165,6 +166,13 @@ class Worker:
             await self.store.reap(self.name, own=True)  # give up the lease and the affinity queue now
         await self.stop()
         return handed
+
+    # Requests running per Worker of this process (one per model): the process's gauge is their sum.
+    _running: ClassVar[dict[str, int]] = {}
+
+    def _count_running(self) -> None:
+        Worker._running[self.name] = len(self._items)
+        metrics.RUNNING.set(sum(Worker._running.values()))
 
     def pause(self) -> None:
         """Take no new work until :meth:`resume` (running requests go on). New chats for this model then
@@ -263,7 +271,7 @@ class Worker:
         self._replies[key] = [resumed_text]
         if len(self._items) >= self.max_running:
             self._room.clear()
-        metrics.RUNNING.set(len(self._items))
+        self._count_running()
         metrics.QUEUE_WAIT.observe(item.queue_wait_ms / 1000)
         request = GenerationRequest(
             key=key,
@@ -402,7 +410,7 @@ class Worker:
                         rlog.info("request.finished", finish=op.finish, tokens=op.offset + op.n)
                     elif not ok:
                         rlog.info("request.stopped", reason="cancelled, detached or taken over")
-            metrics.RUNNING.set(len(self._items))
+            self._count_running()
             if len(self._items) < self.max_running:
                 self._room.set()
             if not self._items:

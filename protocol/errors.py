@@ -17,6 +17,7 @@ class ErrorCode(enum.StrEnum):
     OVERLOADED = "overloaded"
     RATE_LIMITED = "rate_limited"
     TOO_LARGE = "too_large"
+    MODEL_NOT_FOUND = "model_not_found"
     INTERNAL = "internal"
 
 

@@ -165,7 +165,10 @@ PARAM_KEYS = (
     "repetition_penalty",
     "frequency_penalty",
     "presence_penalty",
+    "model",
+    "fallback",
 )
+MAX_MODEL_CHARS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +185,8 @@ class Params:
     repetition_penalty: float | None = None  # > 1 discourages any token already in prompt or reply
     frequency_penalty: float | None = None  # OpenAI-style: minus this times the token's count in the reply
     presence_penalty: float | None = None  # OpenAI-style: minus this once the token is in the reply
+    model: str | None = None  # a served model's name (welcome.models); None: the server's default
+    fallback: bool | None = None  # False: never move this chat to a lighter model under load
 
     def to_wire(self) -> Wire:
         d: Wire = {}
@@ -332,6 +337,11 @@ def _parse_params(pv: object, id: str) -> Params:
             if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
                 raise _bad(f"params.stop: each stop string must have 1-{MAX_STOP_CHARS} characters", id)
         stop = tuple(items)
+    model = pv.get("model")
+    if model is not None and (not isinstance(model, str) or not 1 <= len(model) <= MAX_MODEL_CHARS):
+        raise _bad(
+            f"params.model: expected a model name of 1-{MAX_MODEL_CHARS} characters, got {_short(model)}", id
+        )
     return Params(
         max_tokens=integer("max_tokens", 1, MAX_MAX_TOKENS),
         temperature=num("temperature", 0.0, 2.0),
@@ -343,6 +353,8 @@ def _parse_params(pv: object, id: str) -> Params:
         repetition_penalty=num("repetition_penalty", 0.0, 2.0, lo_open=True),
         frequency_penalty=num("frequency_penalty", -2.0, 2.0),
         presence_penalty=num("presence_penalty", -2.0, 2.0),
+        model=model,
+        fallback=flag("fallback"),
     )
 
 
@@ -439,11 +451,12 @@ class Welcome:
     session_token: str
     server: str
     limits: Mapping[str, int] = field(default_factory=dict)
+    models: tuple[str, ...] = ()  # the models a chat may name in params.model, the default first
     v: int = PROTOCOL_VERSION
     type: Literal["welcome"] = "welcome"
 
     def to_wire(self) -> Wire:
-        return {
+        d: Wire = {
             "type": "welcome",
             "v": self.v,
             "session": self.session,
@@ -451,6 +464,9 @@ class Welcome:
             "server": self.server,
             "limits": dict(self.limits),
         }
+        if self.models:
+            d["models"] = list(self.models)
+        return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,10 +474,14 @@ class Accepted:
     id: str
     epoch: int
     state: str
+    model: str | None = None  # the model that serves the request (after any fallback)
     type: Literal["accepted"] = "accepted"
 
     def to_wire(self) -> Wire:
-        return {"type": "accepted", "id": self.id, "epoch": self.epoch, "state": self.state}
+        d: Wire = {"type": "accepted", "id": self.id, "epoch": self.epoch, "state": self.state}
+        if self.model is not None:
+            d["model"] = self.model
+        return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -550,12 +570,16 @@ def _parse_welcome(r: Mapping[str, Any]) -> Welcome:
     limits = r.get("limits", {})
     if not isinstance(limits, Mapping):
         raise _bad("welcome.limits: expected a map")
+    models = r.get("models") or []
+    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+        raise _bad("welcome.models: expected an array of strings")
     return Welcome(
         v=_field(r, "v", int, "welcome"),
         session=_field(r, "session", str, "welcome"),
         session_token=_field(r, "session_token", str, "welcome"),
         server=_field(r, "server", str, "welcome"),
         limits=dict(limits),
+        models=tuple(models),
     )
 
 
@@ -593,7 +617,10 @@ def _parse_error(r: Mapping[str, Any]) -> Error:
 _SERVER_PARSERS: dict[str, Callable[[Mapping[str, Any]], ServerFrame]] = {
     "welcome": _parse_welcome,
     "accepted": lambda r: Accepted(
-        id=_req_id(r), epoch=_field(r, "epoch", int, "accepted"), state=_field(r, "state", str, "accepted")
+        id=_req_id(r),
+        epoch=_field(r, "epoch", int, "accepted"),
+        state=_field(r, "state", str, "accepted"),
+        model=_field(r, "model", str, "accepted") if r.get("model") is not None else None,
     ),
     "delta": lambda r: Delta(
         id=_req_id(r),

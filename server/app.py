@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import os
 import signal
-from collections.abc import AsyncIterator, Callable
+import socket
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,10 @@ class ServeConfig:
     redis_url: str | None = None
     data_dir: Path = Path(".tokenwire")
     key_prefix: str = "tw:"
-    model: str | None = None
+    model: str | None = None  # one model's folder (None: the packaged default); see ``models``
+    # Several models: (name, folder or None for the packaged default), the deployment's default first.
+    # Empty: just ``model``, named after its folder (or the packaged model's name).
+    models: tuple[tuple[str, str | None], ...] = ()
     device: str | None = None
     dtype: str = "auto"
     threads: int | None = None  # torch CPU threads for the engine (None: torch's default)
@@ -49,6 +54,20 @@ class ServeConfig:
     drain_timeout_s: float = 10.0
     name: str | None = None  # worker/gateway id (default host-pid)
     metrics_port: int | None = None  # a worker's /metrics, /healthz, /readyz (gateways: their own port)
+
+
+def model_specs(cfg: ServeConfig) -> tuple[tuple[str, str | None], ...]:
+    """The models to serve, (name, folder), the default first."""
+    if cfg.models:
+        return cfg.models
+    return ((model_name_for(cfg.model), cfg.model),)
+
+
+def model_name_for(folder: str | None) -> str:
+    """The name a model gets when the command line gives none: its folder's name, or the packaged one's."""
+    from server.engine.model import DEFAULT_MODEL_NAME
+
+    return Path(folder).resolve().name if folder else DEFAULT_MODEL_NAME
 
 
 @dataclass(slots=True)
@@ -161,6 +180,20 @@ def check_model(model: str | None) -> None:
         raise StartupError(str(exc)) from None
 
 
+def check_models(cfg: ServeConfig) -> None:
+    """Every model folder exists, and every --fallback names two of the served models."""
+    specs = model_specs(cfg)
+    for _name, folder in specs:
+        check_model(folder)
+    names = [name for name, _ in specs]
+    for heavy, light in cfg.gateway.fallbacks:
+        for n in (heavy, light):
+            if n not in names:
+                raise StartupError(
+                    f"--fallback {heavy}={light}: {n!r} is not a served model ({', '.join(names)})"
+                )
+
+
 async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gateway:
     secret = await shared_secret(h.r, h.store.keys, cfg.session_secret)
     sessions = SessionStore(h.r, h.store.keys, secret, cfg.store.session_ttl_ms)
@@ -204,57 +237,83 @@ def load_engine(
     return loaded, engine_for(loaded, fair=scheduling != "fifo", **overrides)
 
 
-async def start_worker(
-    cfg: ServeConfig, h: StoreHandles, on_model: Callable[[str], None] | None = None
-) -> Any:
+async def start_worker(cfg: ServeConfig, h: StoreHandles, index: int = 0) -> Any:
+    """Load model ``index`` of ``model_specs(cfg)`` and start a worker for it: one engine, one lease,
+    taking only that model's queue (the first model's is the default queue, route "")."""
     from server.worker.loop import Worker
 
+    name, folder = model_specs(cfg)[index]
     use_threads(cfg.threads)
     loaded, engine = await asyncio.get_running_loop().run_in_executor(
         None,
         lambda: load_engine(
-            cfg.model,
+            folder,
             device=cfg.device,
             dtype=cfg.dtype,
             scheduling=cfg.scheduling,
             kv_budget_mb=cfg.kv_budget_mb,
         ),
     )
-    worker = Worker(h.store, engine, name=cfg.name, max_running=cfg.max_running)
-    worker.model_name = loaded.name
-    if on_model is not None:
-        on_model(loaded.name)  # the gateway in this process lists it on GET /v1/models
+    loaded.name = name
+    base = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
+    worker = Worker(
+        h.store,
+        engine,
+        name=base if index == 0 else f"{base}:{name}",  # one lease per model
+        max_running=cfg.max_running,
+        model_name=name,
+        route="" if index == 0 else name,
+    )
     await worker.start()
-    print(f"tokenwire ready: model {loaded.name} on {loaded.device} (worker {worker.name})", flush=True)
+    print(f"tokenwire ready: model {name} on {loaded.device} (worker {worker.name})", flush=True)
     return worker
+
+
+async def start_workers(cfg: ServeConfig, h: StoreHandles) -> list[Any]:
+    """A worker per model, loaded one after another (the default model first). If one fails to start,
+    those already started are stopped."""
+    workers: list[Any] = []
+    try:
+        for i in range(len(model_specs(cfg))):
+            workers.append(await start_worker(cfg, h, i))
+    except BaseException:
+        for w in workers:
+            with contextlib.suppress(Exception):
+                await w.stop()
+        raise
+    return workers
 
 
 async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
     """Gateway and worker in one process, until ``stop`` is set (or SIGINT/SIGTERM)."""
     stop = stop or asyncio.Event()
     _stop_on_signals(stop)
-    check_model(cfg.model)
+    check_models(cfg)
+    specs = model_specs(cfg)
     async with open_store(cfg, embedded_ok=True) as h:
-        state: dict[str, Any] = {}
-        # Ready once the worker is up, and not while it cannot reach Redis (it takes no work then).
-        gateway = await start_gateway(cfg, h, ready=lambda: "worker" in state and state["worker"].store_ok)
-        worker_task = asyncio.create_task(start_worker(cfg, h, gateway.http.models.append))
+        workers: list[Any] = []
+        # Ready once the workers are up, and not while they cannot reach Redis (they take no work then).
+        gateway = await start_gateway(
+            cfg, h, ready=lambda: bool(workers) and all(w.store_ok for w in workers)
+        )
+        # This process knows its models before loading them: chats may name them at once (they queue).
+        gateway.models.local = tuple(name for name, _ in specs)
+        gateway.model_name = specs[0][0]
+        worker_task = asyncio.create_task(start_workers(cfg, h))
         stop_task = asyncio.create_task(stop.wait())
         try:
             done, _ = await asyncio.wait({worker_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
             if worker_task in done:
                 if worker_task.exception() is not None:
                     raise StartupError(f"cannot start the worker: {worker_task.exception()}")
-                state["worker"] = worker_task.result()
-                gateway.model_name = state["worker"].model_name
+                workers.extend(worker_task.result())
             await stop.wait()
         finally:
             log.info("serve.stopping")
             stop_task.cancel()
             worker_task.cancel()
             await gateway.stop()  # clients get 1012 and will resume
-            if "worker" in state:
-                await state["worker"].drain(cfg.drain_timeout_s)
+            await asyncio.gather(*(w.drain(cfg.drain_timeout_s) for w in workers))
 
 
 async def run_gateway(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
@@ -279,7 +338,7 @@ async def run_worker(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> 
     ``drain_timeout_s``, exit."""
     stop = stop or asyncio.Event()
     _stop_on_signals(stop)
-    check_model(cfg.model)
+    check_models(cfg)
     async with open_store(cfg, embedded_ok=False) as h:
         probes = None
         if cfg.metrics_port is not None:
@@ -289,11 +348,11 @@ async def run_worker(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> 
                 probes = serve_probes(cfg.metrics_port, cfg.gateway.host)
             except OSError as exc:
                 raise bind_error(cfg.gateway.host, cfg.metrics_port, exc) from None
-        worker = await start_worker(cfg, h)
+        workers = await start_workers(cfg, h)
         if probes is not None:
-            probes.worker = worker
+            probes.workers = workers
         try:
             await stop.wait()
         finally:
-            handed = await worker.drain(cfg.drain_timeout_s)
-            log.info("worker.stopped", handed_back=handed)
+            handed = await asyncio.gather(*(w.drain(cfg.drain_timeout_s) for w in workers))
+            log.info("worker.stopped", handed_back=sum(handed))

@@ -38,7 +38,8 @@ HELP = """commands:
   /new              start a new conversation (the server forgets this one's history)
   /settings         show the connection and the sampling settings of this session
   /set NAME VALUE   change a setting: temperature, top_p, top_k, max_tokens, seed,
-                    repetition_penalty, frequency_penalty, presence_penalty ("/set NAME" resets it)
+                    repetition_penalty, frequency_penalty, presence_penalty, model
+                    ("/set NAME" resets it)
   /help             this list
   /exit, /quit      leave (or Ctrl-D; Ctrl-C at the prompt)
 Ctrl-C during a reply stops it. Up/Down recall earlier lines."""
@@ -52,6 +53,7 @@ SETTABLE: dict[str, type] = {
     "repetition_penalty": float,
     "frequency_penalty": float,
     "presence_penalty": float,
+    "model": str,  # one of the server's models (welcome.models)
 }
 
 
@@ -325,6 +327,7 @@ async def run_chat(
     once: str | None = None,
     temperature: float | None = None,
     max_tokens: int | None = None,
+    model: str | None = None,
 ) -> int:
     session = ChatSession(url, token=token)
     try:
@@ -347,7 +350,7 @@ async def run_chat(
             file=sys.stderr,
         )
         return 1
-    params = Params(temperature=temperature, max_tokens=max_tokens)
+    params = Params(temperature=temperature, max_tokens=max_tokens, model=model)
     try:
         if once is not None:
             return 0 if await session.ask(once, params) else 1

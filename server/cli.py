@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -64,6 +65,50 @@ def _at_least_one(value: str) -> int:
     return n
 
 
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _model_name(name: str, given: str) -> str:
+    if not MODEL_NAME_RE.match(name) or name == "default":
+        raise argparse.ArgumentTypeError(
+            f"{given!r}: a model name is 1-64 letters, digits, '.', '_' or '-' (not 'default', which "
+            "names the default model); write --model NAME=DIR"
+        )
+    return name
+
+
+def _model_spec(value: str) -> tuple[str, str]:
+    """``--model NAME=DIR`` or ``--model DIR`` (then named after the folder)."""
+    from server.app import model_name_for
+
+    name, sep, folder = value.partition("=")
+    if not sep or not name or Path(value).is_dir():
+        return _model_name(model_name_for(value), value), value
+    if not folder:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=DIR, the folder is missing")
+    return _model_name(name, value), folder
+
+
+def _fallback(value: str) -> tuple[str, str]:
+    """``--fallback MODEL=LIGHT``."""
+    heavy, sep, light = value.partition("=")
+    if not sep or not heavy or not light:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected MODEL=LIGHT_MODEL (two model names)")
+    return _model_name(heavy, value), _model_name(light, value)
+
+
+def _models(args: argparse.Namespace) -> tuple[tuple[str, str | None], ...]:
+    """The --model options, the first the default; none: the packaged model. Two of one name: an error."""
+    specs: list[tuple[str, str]] = getattr(args, "model", None) or []
+    names = [n for n, _ in specs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        from server.app import StartupError
+
+        raise StartupError(f"--model: two models named {dup!r}; name them apart with --model NAME=DIR")
+    return tuple(specs)
+
+
 def _config(args: argparse.Namespace) -> ServeConfig:
     from server.app import ServeConfig
     from server.gateway.server import GatewaySettings
@@ -84,6 +129,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             metrics_port=getattr(args, "metrics_port", None),
             metrics_host=getattr(args, "metrics_host", None),
             ui_connect=tuple(getattr(args, "ui_connect", None) or ()),
+            fallbacks=tuple(getattr(args, "fallback", None) or ()),
         ),
         store=Settings(
             lease_ttl_ms=int(args.lease_ttl * 1000),
@@ -95,7 +141,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         redis_url=args.redis_url or os.environ.get("TOKENWIRE_REDIS_URL") or None,
         data_dir=Path(getattr(args, "data_dir", None) or os.environ.get("TOKENWIRE_DATA") or ".tokenwire"),
         key_prefix=args.key_prefix,
-        model=getattr(args, "model", None),
+        models=_models(args),
         device=getattr(args, "device", None),
         dtype=getattr(args, "dtype", "auto"),
         threads=getattr(args, "threads", None),
@@ -161,6 +207,7 @@ def _chat(args: argparse.Namespace) -> int:
             once=args.message,
             temperature=args.temperature,
             max_tokens=args.max_tokens,
+            model=args.model,
         )
     )
 
@@ -247,6 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         d.add_argument(
             "--degrade-context-messages", type=int, default=8, help="latest messages kept when degraded"
         )
+        d.add_argument(
+            "--fallback",
+            action="append",
+            type=_fallback,
+            metavar="MODEL=LIGHT",
+            help="past a threshold, send MODEL's new chats to the lighter LIGHT (both served models; "
+            "repeat for several); a chat with params.fallback false stays",
+        )
         p.add_argument(
             "--no-response-cache",
             action="store_true",
@@ -280,7 +335,15 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     def model(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
+        p.add_argument(
+            "--model",
+            action="append",
+            type=_model_spec,
+            metavar="NAME=DIR",
+            help="a model to serve: NAME=DIR, or DIR (named after the folder), DIR a Hugging Face causal-LM "
+            "folder; repeat for several, the first is the default (default: the packaged "
+            "SmolLM2-135M-Instruct, named so)",
+        )
         p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
         p.add_argument("--dtype", default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ...")
         p.add_argument("--threads", type=int, help="torch CPU threads for the engine (default: torch's)")
@@ -351,7 +414,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     k.add_argument("--data-dir", help="embedded Valkey data (default $TOKENWIRE_DATA or ./.tokenwire)")
     k.add_argument("--key-prefix", default="tw:", help="prefix of every Redis key")
-    k.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
+    k.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME=DIR",
+        help="a model every worker serves: NAME=DIR or DIR; repeat for several, the first the default "
+        "(default: the packaged SmolLM2-135M)",
+    )
     k.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
     k.add_argument(
         "--pin-workers",
@@ -372,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("-m", "--message", help="ask one question, print the streamed answer, exit")
     c.add_argument("--temperature", type=float, help="sampling temperature (default: the server's, 0.2)")
     c.add_argument("--max-tokens", type=int, help="longest reply in tokens (default: the server's, 256)")
+    c.add_argument("--model", help="one of the server's models (default: the server's default model)")
     c.set_defaults(func=_chat)
 
     b = sub.add_parser(

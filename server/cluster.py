@@ -91,8 +91,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         for i in range(args.workers):
             wargs = ["worker", *common, "--name", f"worker-{i}", "--threads", str(args.threads_per_worker)]
-            if args.model:
-                wargs += ["--model", args.model]
+            for spec in args.model or ():
+                wargs += ["--model", spec]
             procs[f"worker-{i}"] = proc = _spawn(f"worker-{i}", wargs, url)
             if args.pin_workers:
                 # Set before the child has imported torch, so its every thread inherits the one CPU.

@@ -37,11 +37,23 @@ DEGRADED = Counter(
     "chats made cheaper under load, by action (clamp_max_tokens, truncate_context)",
     ["action"],
 )
+FALLBACKS = Counter(
+    "tokenwire_fallbacks_total",
+    "new chats sent to a lighter model because theirs was overloaded (--fallback MODEL=LIGHT)",
+    ["model", "to"],
+)
 STREAMS = Gauge("tokenwire_streams_attached", "request streams attached to connections on this gateway")
 
 # ---- worker
 RUNNING = Gauge("tokenwire_requests_running", "requests running on this worker's engine")
-QUEUE_DEPTH = Gauge("tokenwire_queue_depth", "requests queued in the store, waiting for a worker")
+QUEUE_DEPTH = Gauge(
+    "tokenwire_queue_depth", "requests queued in the store for the default model, waiting for a worker"
+)
+MODEL_QUEUE_DEPTH = Gauge(
+    "tokenwire_model_queue_depth",
+    "requests queued in the store for each model, waiting for a worker",
+    ["model"],
+)
 FINISHED = Counter(
     "tokenwire_requests_finished_total", "requests ended by this worker, by reason", ["reason"]
 )

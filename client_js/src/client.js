@@ -91,6 +91,7 @@ export class ChatStream {
     this.text = "";
     this.offset = 0;
     this.epoch = null;
+    this.model = null; // the model that serves it, from accepted.model (null: the server did not say)
     this.state = "pending"; // pending | queued | running | done | failed | cancelled (server's view)
     this.finishReason = null;
     this.result = new Promise((resolve, reject) => {
@@ -580,6 +581,7 @@ export class TokenwireClient extends Emitter {
     req.phase = "attached";
     req.accepted = true;
     req.stream.state = f.state;
+    if (typeof f.model === "string") req.stream.model = f.model;
     if (req.epoch != null && req.epoch !== f.epoch) {
       // The log restarted under a new epoch: what we hold belongs to another generation (SPEC §10.4).
       if (!this.#reset(req, "epoch_changed")) return;

@@ -105,6 +105,17 @@ export function params(p = {}) {
     if (typeof p.cache !== "boolean") throw new TypeError(`params.cache: expected a boolean, got ${p.cache}`);
     out.cache = p.cache;
   }
+  if (p.model != null) {
+    // A served model's name (welcome.models), or "default" (SPEC §4.2).
+    if (typeof p.model !== "string" || codePoints(p.model) < 1 || codePoints(p.model) > 128) {
+      throw new TypeError(`params.model: expected a model name of 1-128 characters, got ${p.model}`);
+    }
+    out.model = p.model;
+  }
+  if (p.fallback != null) {
+    if (typeof p.fallback !== "boolean") throw new TypeError(`params.fallback: expected a boolean, got ${p.fallback}`);
+    out.fallback = p.fallback;
+  }
   const stop = p.stop;
   if (stop != null) {
     const items = typeof stop === "string" ? [stop] : stop;

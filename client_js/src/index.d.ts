@@ -31,6 +31,10 @@ export interface ChatParams {
   stop?: string | string[];
   /** false: never answer this request from the server's response cache (deterministic requests only). */
   cache?: boolean;
+  /** A model from `welcome.models` (or "default"); absent: the server's default model. */
+  model?: string;
+  /** false: never move this request to a lighter model when its model is overloaded (default true). */
+  fallback?: boolean;
 }
 
 export type FinishReason = "stop" | "length" | "cancelled" | "error";
@@ -78,6 +82,8 @@ export class ChatStream implements AsyncIterable<StreamItem> {
   /** Tokens received so far (the next offset). */
   readonly offset: number;
   readonly epoch: number | null;
+  /** The model that serves the request (`accepted.model`); null until accepted or if the server did not say. */
+  readonly model: string | null;
   readonly state: "pending" | RequestState;
   readonly finishReason: FinishReason | null;
   readonly ended: boolean;
@@ -195,6 +201,8 @@ export interface WelcomeFrame {
   session_token: string;
   server: string;
   limits: Record<string, number>;
+  /** The models a chat may name in `params.model`, the default first (absent: not known). */
+  models?: string[];
 }
 
 export interface StateEvent {

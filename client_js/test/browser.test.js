@@ -251,6 +251,37 @@ test("a ?ws= server that this server does not list is refused with a visible mes
   await context.close();
 });
 
+test("with several models the UI shows a picker; the chosen model is sent, kept, and named on the reply", async () => {
+  const one = await openUI(`${server.origin}/`);
+  assert.equal(await one.page.isHidden("#model"), true, "one model: no picker");
+  await one.context.close();
+  fake.models = ["big", "light"];
+  try {
+    const { context, page, problems } = await openUI(`${server.origin}/?ws=${encodeURIComponent(fake.url)}`);
+    await page.waitForSelector("#model:not([hidden])");
+    assert.deepEqual(await page.locator("#model option").evaluateAll((os) => os.map((o) => o.value)), ["big", "light"]);
+    assert.equal(await page.inputValue("#model"), "big", "the default first");
+    await page.selectOption("#model", "light");
+    await page.fill("#prompt", "Reverse a string in Python");
+    await page.click("#send");
+    await page.waitForFunction(() => window.tokenwireUI.turns.at(-1)?.status === "done");
+    const chat = fake.received.filter((f) => f.type === "chat").at(-1);
+    assert.equal(chat.params.model, "light");
+    assert.equal((await lastTurn(page)).model, "light");
+    assert.equal(await page.locator(".turn.assistant .who").last().textContent(), "light");
+    await page.reload();
+    await page.waitForSelector('#status[data-state="open"]', { timeout: 15_000 });
+    await page.waitForSelector("#model:not([hidden])");
+    assert.equal(await page.inputValue("#model"), "light", "the choice is kept");
+    assert.equal(await page.locator(".turn.assistant .who").last().textContent(), "light");
+    await shot(page, "ui-model-picker");
+    assert.deepEqual(problems, []);
+    await context.close();
+  } finally {
+    fake.models = null;
+  }
+});
+
 const HOSTILE = [
   "Here is **bold**, *italic*, `inline <code>` and a [safe link](https://example.com/docs).",
   "",

@@ -103,3 +103,18 @@ test("cancel while disconnected is delivered after the reconnect", async () => {
   const sent = server.received.filter((f) => f.type !== "ping").map((f) => f.type);
   assert.deepEqual(sent.slice(-2), ["hello", "cancel"], "hello (with the resume point), then the cancel");
 });
+
+test("params.model is sent and accepted.model is the stream's model; a bad model is refused before sending", async () => {
+  const server = await fake({ reply: () => ["hi"], delayMs: 1 });
+  server.models = ["big", "light"];
+  const c = client(server.url);
+  const welcome = await c.connect();
+  assert.deepEqual(welcome.models, ["big", "light"]);
+  const stream = c.chat("hello", { model: "light", fallback: false });
+  await stream.result;
+  assert.equal(stream.model, "light");
+  const sent = server.received.find((f) => f.type === "chat");
+  assert.deepEqual(sent.params, { model: "light", fallback: false });
+  assert.throws(() => c.chat("hello", { model: "" }), /params.model/);
+  assert.throws(() => c.chat("hello", { fallback: "no" }), /params.fallback/);
+});

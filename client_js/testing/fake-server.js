@@ -24,6 +24,7 @@ export class FakeServer {
     this.delayMs = delayMs;
     this.overload = overload;
     this.validToken = validToken;
+    this.models = null; // set to an array: welcome lists these models and accepted names the chat's
     this.requests = new Map(); // id -> {texts, epoch, hold, cancelled, sent}
     this.received = [];
     this.sockets = new Set();
@@ -88,7 +89,9 @@ export class FakeServer {
           return ws.close(1008, "unauthorized");
         }
         hello = true;
-        send({ type: "welcome", v: 1, session: "fake", session_token: this.validToken ?? "fake.token", server: "fake", limits: { max_frame_bytes: 1048576, max_tokens: 8192 } });
+        const welcome = { type: "welcome", v: 1, session: "fake", session_token: this.validToken ?? "fake.token", server: "fake", limits: { max_frame_bytes: 1048576, max_tokens: 8192 } };
+        if (this.models) welcome.models = this.models;
+        send(welcome);
         for (const p of f.resume ?? []) this.#resume(send, p);
         return;
       }
@@ -99,6 +102,7 @@ export class FakeServer {
         }
         const r = this.#req(f.id);
         if (r.texts === null) {
+          if (this.models) r.model = f.params?.model ?? this.models[0];
           r.texts = this.reply(f);
           r.hold = this.holdAt(f);
           r.finish = this.finish(f);
@@ -124,7 +128,7 @@ export class FakeServer {
 
   async #stream(send, id, offset) {
     const r = this.requests.get(id);
-    send({ type: "accepted", id, epoch: r.epoch, state: "running" });
+    send({ type: "accepted", id, epoch: r.epoch, state: "running", ...(r.model ? { model: r.model } : {}) });
     const epoch = r.epoch;
     let i = offset;
     const end = () => (r.cancelled != null ? r.cancelled : r.texts.length);

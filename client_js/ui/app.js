@@ -20,6 +20,7 @@ const ui = {
   conversation: $("conversation"),
   empty: $("empty"),
   modelName: $("model-name"),
+  model: $("model"),
   form: $("composer"),
   prompt: $("prompt"),
   send: $("send"),
@@ -66,10 +67,11 @@ async function loadConfig() {
       defaults: { ...FALLBACK_DEFAULTS, ...(c.defaults ?? {}) },
       connect: Array.isArray(c.connect) ? c.connect.filter((o) => typeof o === "string") : [],
       model: typeof c.model === "string" ? c.model : null,
+      models: Array.isArray(c.models) ? c.models.filter((m) => typeof m === "string") : [],
       maxTokens: Number.isInteger(c.limits?.max_tokens) ? c.limits.max_tokens : 8192,
     };
   } catch {
-    return { defaults: { ...FALLBACK_DEFAULTS }, connect: [], model: null, maxTokens: 8192 };
+    return { defaults: { ...FALLBACK_DEFAULTS }, connect: [], model: null, models: [], maxTokens: 8192 };
   }
 }
 
@@ -131,6 +133,8 @@ if (client) {
       showBanner("offline", [`Disconnected from ${host}. Reload the page to connect again.`]);
     } else if (state === "open") {
       hideBanner();
+      // The server says which models it serves (a cluster's gateway knows them only from its workers).
+      if (Array.isArray(client.welcome?.models) && client.welcome.models.length) showModels(client.welcome.models);
     }
   });
 } else {
@@ -146,6 +150,34 @@ if (client) {
   ui.prompt.disabled = true;
   ui.send.disabled = true;
 }
+
+// ---------------------------------------------------------------------------------------- models
+
+/** The model picker: shown when the server serves more than one model; the choice is kept. */
+function showModels(models) {
+  const names = models.filter((m) => typeof m === "string" && m);
+  if (names.length < 2) {
+    ui.model.hidden = true;
+    return;
+  }
+  const chosen = localStorage.getItem(`${STORE}model`);
+  ui.model.replaceChildren(
+    ...names.map((name, i) => {
+      const option = document.createElement("option");
+      option.value = name;
+      option.textContent = i === 0 ? `${name} (default)` : name;
+      return option;
+    }),
+  );
+  ui.model.value = names.includes(chosen) ? chosen : names[0];
+  ui.model.hidden = false;
+  ui.modelName.textContent = ui.model.value;
+}
+
+ui.model.addEventListener("change", () => {
+  localStorage.setItem(`${STORE}model`, ui.model.value);
+  ui.modelName.textContent = ui.model.value;
+});
 
 // ---------------------------------------------------------------------------------------- settings
 
@@ -182,6 +214,7 @@ function settings() {
   const seed = ui.seed.value.trim();
   if (/^\d{1,19}$/.test(seed) && BigInt(seed) <= MAX_SEED) p.seed = BigInt(seed);
   if (!ui.cache.checked) p.cache = false;
+  if (!ui.model.hidden && ui.model.value) p.model = ui.model.value;
   return p;
 }
 
@@ -218,7 +251,7 @@ ui.defaultsNote.textContent = `Server defaults: temperature ${d.temperature}, to
 // ---------------------------------------------------------------------------------------- conversation
 
 function save() {
-  const plain = turns.map(({ role, content, id, status, note, finish }) => ({ role, content, id, status, note, finish }));
+  const plain = turns.map(({ role, content, id, status, note, finish, model }) => ({ role, content, id, status, note, finish, model }));
   try {
     localStorage.setItem(`${STORE}conversation`, JSON.stringify(plain));
   } catch {
@@ -235,7 +268,6 @@ function addTurn(turn) {
   el.className = `turn ${turn.role}`;
   const who = document.createElement("div");
   who.className = "who";
-  who.textContent = turn.role === "user" ? "You" : (config.model ?? "Model");
   const content = document.createElement("div");
   content.className = "content";
   const note = document.createElement("div");
@@ -291,6 +323,8 @@ function paint(turn) {
   if (turn.finish) el.dataset.finish = turn.finish;
   else delete el.dataset.finish;
   if (turn.id) el.dataset.requestId = turn.id;
+  // The model that answered (accepted.model: the one picked, or a lighter one the server fell back to).
+  el.querySelector(".who").textContent = turn.role === "user" ? "You" : (turn.model ?? config.model ?? "Model");
   const content = el.querySelector(".content");
   if (turn.role === "user") content.textContent = turn.content;
   else {
@@ -339,8 +373,10 @@ async function stream(turn, chatStream) {
     for await (const item of chatStream) {
       if (item.type === "reset") turn.content = "";
       else turn.content += item.text;
+      if (chatStream.model) turn.model = chatStream.model;
       schedulePaint(turn);
     }
+    if (chatStream.model) turn.model = chatStream.model;
     const result = await chatStream.result;
     turn.status = result.finishReason === "cancelled" ? "cancelled" : "done";
     turn.finish = result.finishReason;
@@ -448,6 +484,7 @@ function restore() {
 }
 
 if (config.model) ui.modelName.textContent = config.model;
+showModels(config.models);
 fillSettings(loadOverrides());
 restore();
 updateEmpty();
@@ -459,6 +496,6 @@ globalThis.tokenwireUI = {
   config,
   server,
   get turns() {
-    return turns.map(({ role, content, id, status, note, finish }) => ({ role, content, id, status, note, finish }));
+    return turns.map(({ role, content, id, status, note, finish, model }) => ({ role, content, id, status, note, finish, model }));
   },
 };

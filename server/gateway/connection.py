@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
-import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 from websockets.asyncio.server import ServerConnection as WebSocket
@@ -29,7 +27,6 @@ from protocol import (
     Error,
     ErrorCode,
     Hello,
-    Params,
     Ping,
     Pong,
     ProtocolError,
@@ -42,45 +39,14 @@ from protocol.connection import ServerConnection
 from server import metrics
 from server.gateway.auth import authenticate_user
 from server.gateway.limits import TokenBucket, limited
+from server.gateway.submit import ChatRequest, submit_chat
 from server.store.logs import LogEntry
 from server.store.requests import FINAL_STATES
 
 if TYPE_CHECKING:
-    from server.gateway.server import Gateway, GatewaySettings
+    from server.gateway.server import Gateway
 
 log = structlog.get_logger(__name__)
-
-
-def degrade(
-    messages: list[dict[str, str]], params: dict[str, object], st: GatewaySettings
-) -> tuple[list[dict[str, str]], dict[str, object]]:
-    """A cheaper version of a chat for an overloaded server: fewer tokens out, less context in."""
-    max_tokens = params.get("max_tokens")
-    if isinstance(max_tokens, int) and max_tokens > st.degrade_max_tokens:
-        params = {**params, "max_tokens": st.degrade_max_tokens}
-        metrics.DEGRADED.labels("clamp_max_tokens").inc()
-    system = [m for m in messages[:1] if m.get("role") == "system"]
-    rest = messages[len(system) :]
-    if len(rest) > st.degrade_context_messages:
-        messages = system + rest[-st.degrade_context_messages :]
-        metrics.DEGRADED.labels("truncate_context").inc()
-    return messages, params
-
-
-def response_cache_key(messages: list[dict[str, str]], params: dict[str, object], asked: Params) -> str:
-    """The response-cache key of a deterministic request, or "" if it is not one (or opted out).
-
-    Deterministic: greedy (temperature 0: the seed does not matter and is left out) or a seed the client
-    chose. The key covers the whole prompt (history included) and every sampling parameter.
-    """
-    if asked.cache is False:
-        return ""
-    greedy = params.get("temperature") == 0
-    if not greedy and asked.seed is None:
-        return ""
-    basis = {k: v for k, v in params.items() if k != "cache" and not (greedy and k == "seed")}
-    raw = json.dumps({"m": messages, "p": basis}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(raw.encode()).hexdigest()
 
 
 # Deltas waiting in a subscription are merged into one frame up to this many tokens: a client that fell
@@ -244,6 +210,7 @@ class Connection:
                 session_token=sessions.token(session, self.owner),
                 server=self.gw.name,
                 limits=self.gw.limits(),
+                models=(await self.gw.models.served()).names,
             )
         )
         for point in hello.resume:
@@ -282,14 +249,6 @@ class Connection:
     async def _chat(self, chat: Chat, *, limits_checked: bool = False) -> None:
         if not limits_checked:
             await self._check_limits(chat)
-        fingerprint = hashlib.sha256(chat.canonical().encode()).hexdigest()
-        params = chat.params.to_wire()
-        # The server's own limit, advertised in welcome.limits.max_tokens, caps what a client asks for.
-        settings = self.gw.settings
-        params["max_tokens"] = min(params.get("max_tokens", settings.default_max_tokens), settings.max_tokens)
-        if chat.params.seed is None:
-            # A fixed seed per request makes a re-run (another worker after a crash) draw the same text.
-            params["seed"] = secrets.randbits(63)
         user_message = None
         turn_after: str | None = None
         if chat.content is not None:
@@ -298,61 +257,28 @@ class Connection:
             messages = [*await self.gw.sessions.history(self.session, self.owner), user_message]
         else:
             messages = [m.to_wire() for m in chat.messages or ()]
-        if await self.gw.degraded():
-            messages, params = degrade(messages, params, settings)
-        payload: dict[str, Any] = {
-            "owner": self.owner,
-            "id": chat.id,
-            "session": self.session,
-            "messages": messages,
-            "params": params,
-        }
-        if self.weight != 1.0:
-            payload["weight"] = self.weight  # the worker's engine shares itself by weighted service
-        cache_key = (
-            response_cache_key(messages, params, chat.params) if self.gw.settings.response_cache else ""
+        sub = await submit_chat(
+            self.gw,
+            ChatRequest(
+                owner=self.owner,
+                chat=chat,
+                messages=messages,
+                fingerprint=hashlib.sha256(chat.canonical().encode()).hexdigest(),
+                weight=self.weight,
+                session=self.session,
+                user_message=user_message,
+                turn_after=turn_after,
+            ),
         )
-        res = await self.gw.store.submit(
-            self.owner,
-            chat.id,
-            fingerprint,
-            payload,
-            session=self.session,
-            user_message=user_message,
-            prefer=await self.gw.router.prefer(self.session),
-            cache_key=cache_key,
-            shared_cache=settings.shared_response_cache,
-            turn_after=turn_after,
-        )
+        res = sub.result
         if res.outcome == "turn_moved":
             # Another turn of this session was accepted meanwhile (another connection): wait for it too.
             return await self._chat(chat, limits_checked=True)
-        if cache_key and res.outcome in ("new", "cached"):
-            metrics.CACHE.labels("hit" if res.outcome == "cached" else "miss").inc()
-        if res.outcome in ("conflict", "overloaded", "user_limit"):
-            metrics.REQUESTS.labels(res.outcome).inc()
-        if res.outcome == "user_limit":
-            cap = self.gw.store.settings.max_inflight_per_user
-            raise limited(chat.id, f"at most {cap} requests queued or running per user", 1000)
-        if res.outcome == "conflict":
-            raise ProtocolError(
-                ErrorCode.IDEMPOTENCY_CONFLICT,
-                "id: a different request already uses this id; use a new id for a new request",
-                id=chat.id,
-            )
-        if res.outcome == "overloaded":
-            # An estimate: the queue ahead drains at roughly one request per 100 ms per worker here.
-            workers = max(1, len(await self.gw.store.live_workers()))
-            raise ProtocolError(
-                ErrorCode.OVERLOADED,
-                "the server's queue is full; retry later",
-                id=chat.id,
-                retry_after_ms=min(30_000, 250 + 100 * res.queued // workers),
-            )
-        metrics.REQUESTS.labels(res.outcome).inc()
-        self.log.info("request.accepted", request_id=chat.id, outcome=res.outcome, state=res.state)
-        self.proto.send(Accepted(id=chat.id, epoch=res.epoch, state=res.state))
-        self._attach(chat.id, 0, new=res.outcome == "new")
+        self.log.info(
+            "request.accepted", request_id=chat.id, outcome=res.outcome, state=res.state, model=sub.model
+        )
+        self.proto.send(Accepted(id=chat.id, epoch=res.epoch, state=res.state, model=sub.model))
+        self._attach(chat.id, 0, model=sub.model if res.outcome == "new" else None)
 
     async def _resume(self, id: str, offset: int, epoch: int | None) -> None:
         metrics.RESUMES.inc()
@@ -376,7 +302,7 @@ class Connection:
             )
         # Back within the detach timeout: postpone it now, not at the next periodic touch.
         await self.gw.store.touch([self.gw.store.keys.request(self.owner, id)])
-        self.proto.send(Accepted(id=id, epoch=info.epoch, state=info.state))
+        self.proto.send(Accepted(id=id, epoch=info.epoch, state=info.state, model=info.model or None))
         self._attach(id, offset)
 
     async def _cancel(self, frame: Cancel) -> None:
@@ -385,14 +311,16 @@ class Connection:
             raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=frame.id)
         self.log.info("request.cancel", request_id=frame.id, state_before=before)
 
-    def _attach(self, id: str, offset: int, *, new: bool = False) -> None:
+    def _attach(self, id: str, offset: int, *, model: str | None = None) -> None:
+        """Stream request ``id`` from ``offset``; ``model``: a new request of that model, whose time to
+        first token feeds the model's degradation signal."""
         old = self._attached.pop(id, None)
         if old is not None:
             old.cancel()
-        started = time.monotonic() if new else None
+        started = (time.monotonic(), model) if model is not None else None
         self._attached[id] = asyncio.create_task(self._stream(id, offset, started), name=f"stream-{id}")
 
-    async def _stream(self, id: str, offset: int, started: float | None = None) -> None:
+    async def _stream(self, id: str, offset: int, started: tuple[float, str] | None = None) -> None:
         """Forward the log of request ``id`` from ``offset``: deltas, then done (or an error)."""
         key = self.gw.store.keys.log(self.owner, id)
         req_key = self.gw.store.keys.request(self.owner, id)
@@ -422,13 +350,17 @@ class Connection:
                 deltas = [e for e in batch if e.finish is None]
                 if deltas:
                     if started is not None:
-                        self.gw.observe_ttft(time.monotonic() - started)  # feeds degradation
+                        self.gw.observe_ttft(time.monotonic() - started[0], started[1])  # degradation
                         started = None
                     n = sum(e.n for e in deltas)
                     await self._send(Delta(id=id, offset=expected, n=n, text="".join(e.text for e in deltas)))
                     expected += n
                 end = batch[-1]
                 if end.finish is not None:
+                    if self._attached.get(id) is not me:
+                        # Replaced while the delta went out (a cancel that arrived as the send completed
+                        # is not seen there): the old stream must end without a done (SPEC §8.9).
+                        return
                     await self._finish(id, end)
                     return
         except ProtocolError as exc:

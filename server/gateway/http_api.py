@@ -25,13 +25,15 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
+from protocol.frames import MAX_MODEL_CHARS
 from server import metrics
 from server.gateway.auth import authenticate_user
-from server.gateway.connection import degrade, response_cache_key
 from server.gateway.front_door import is_http_api
 from server.gateway.http_conn import HttpConnection, HttpRequest, HttpResponse
+from server.gateway.models import DEFAULT_ALIAS
+from server.gateway.submit import ChatRequest, Submitted, submit_chat
 from server.store.logs import LogEntry
-from server.store.requests import RequestView, SubmitResult
+from server.store.requests import RequestView
 
 if TYPE_CHECKING:
     from server.gateway.server import Gateway
@@ -39,7 +41,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB, as a WebSocket frame
-DEFAULT_MODEL_ALIAS = "default"
 ID_RE = re.compile(r"^[\x21-\x7e]{1,64}$")  # Idempotency-Key: 1-64 printable ASCII characters
 
 
@@ -114,6 +115,25 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, param=param, code=code or "invalid_request_error")
 
 
+def api_error(exc: ProtocolError) -> ApiError:
+    """A refusal of the shared submit path (submit.py), in the HTTP API's terms (SPEC.md §15.6)."""
+    if exc.code == ErrorCode.IDEMPOTENCY_CONFLICT:
+        return ApiError(
+            409,
+            "Idempotency-Key: this key was used for a different request; use a new key for a new one",
+            param="Idempotency-Key",
+            code="idempotency_conflict",
+        )
+    if exc.code == ErrorCode.MODEL_NOT_FOUND:
+        message = exc.message.replace("params.model", "model")
+        return ApiError(404, message, param="model", code="model_not_found")
+    if exc.code == ErrorCode.RATE_LIMITED:
+        return ApiError(429, exc.message, code="rate_limited", retry_after_ms=exc.retry_after_ms)
+    if exc.code == ErrorCode.OVERLOADED:
+        return ApiError(503, exc.message, code="overloaded", retry_after_ms=exc.retry_after_ms)
+    return from_protocol(exc)
+
+
 def from_protocol(exc: ProtocolError) -> ApiError:
     """A chat the protocol refused, as an HTTP 400 naming the field (``params.x`` → ``x``)."""
     field_name = exc.message.split(":", 1)[0].strip()
@@ -144,7 +164,6 @@ class HttpApi:
         from server.gateway import openai_chat, openai_responses
 
         self.gw = gw
-        self.models: list[str] = []  # served model names (``serve`` adds the loaded model's)
         self.connections: set[HttpConnection] = set()
         chat = openai_chat.ChatCompletions(self)
         responses = openai_responses.Responses(self)
@@ -241,19 +260,19 @@ class HttpApi:
 
     # ---- shared helpers for the endpoints ----------------------------------------------------------
 
-    def model_names(self) -> list[str]:
-        return [*self.models, DEFAULT_MODEL_ALIAS]
+    async def model_names(self) -> list[str]:
+        """The served models (the default first) and the alias ``default``; in a cluster, the models of
+        the live workers."""
+        return [*(await self.gw.models.served()).names, DEFAULT_ALIAS]
 
-    def check_model(self, model: object) -> str:
+    @staticmethod
+    def check_model(model: object) -> str:
+        """The ``model`` field's type; whether it is served is decided where the chat is submitted
+        (unknown: 404 ``model_not_found``)."""
         if not isinstance(model, str) or not model:
             raise bad("model: required (a string; GET /v1/models lists them)", param="model")
-        if model not in self.model_names():
-            raise ApiError(
-                404,
-                f"model: {model[:80]!r} is not served here; one of {', '.join(self.model_names())}",
-                param="model",
-                code="model_not_found",
-            )
+        if len(model) > MAX_MODEL_CHARS:
+            raise bad(f"model: at most {MAX_MODEL_CHARS} characters", param="model")
         return model
 
     @staticmethod
@@ -292,73 +311,35 @@ class HttpApi:
 
     async def submit(
         self, caller: Caller, chat: Chat, *, kind: str, extra: dict[str, Any], background: bool = False
-    ) -> SubmitResult:
-        """Create the request (or attach to the one with this id), as ``Connection._chat`` does for a
-        WebSocket: the same limits, defaults, response cache and store script. Raises ApiError."""
+    ) -> Submitted:
+        """Create the request (or attach to the one with this id) through the same function as a
+        WebSocket ``chat`` (submit.py): the same defaults, model choice, degradation ladder, response
+        cache and store script; only the per-user rate limit is checked here. Raises ApiError."""
         gw = self.gw
-        st = gw.settings
-        wait = await gw.store.rate(caller.owner, "chat", st.chat_rate_per_user)
+        wait = await gw.store.rate(caller.owner, "chat", gw.settings.chat_rate_per_user)
         if wait:
             raise ApiError(429, "too many requests for this user", code="rate_limited", retry_after_ms=wait)
-        # What decides retry vs. conflict: the generation's inputs (not stream, stream_options or user).
-        fingerprint = hashlib.sha256(f"{kind}\n{chat.canonical()}".encode()).hexdigest()
-        params = chat.params.to_wire()
-        params["max_tokens"] = min(params.get("max_tokens", st.default_max_tokens), st.max_tokens)
-        if chat.params.seed is None:
-            params["seed"] = secrets.randbits(63)  # a re-run on another worker draws the same text
-        messages = [m.to_wire() for m in chat.messages or ()]
-        if await gw.degraded():
-            messages, params = degrade(messages, params, st)
-        payload = {
-            "owner": caller.owner,
-            "id": chat.id,
-            "session": "",
-            "messages": messages,
-            "params": params,
-            "api": kind,
-            "created": int(time.time()),
-            **extra,
-        }
-        if caller.weight != 1.0:
-            payload["weight"] = caller.weight  # the worker's engine shares itself by weighted service
-        cache_key = response_cache_key(messages, params, chat.params) if st.response_cache else ""
-        res = await gw.store.submit(
-            caller.owner,
-            chat.id,
-            fingerprint,
-            payload,
-            cache_key=cache_key,
-            shared_cache=st.shared_response_cache,
-            # Nobody has to stay attached to a background response: it lives until it ends (or the
-            # store's bound on unfinished requests), like a job.
-            detach_timeout_ms=gw.store.settings.unfinished_ttl_ms if background else None,
-        )
-        metrics.REQUESTS.labels(res.outcome).inc()
-        if res.outcome == "conflict":
-            raise ApiError(
-                409,
-                "Idempotency-Key: this key was used for a different request; use a new key for a new one",
-                param="Idempotency-Key",
-                code="idempotency_conflict",
+        try:
+            sub = await submit_chat(
+                gw,
+                ChatRequest(
+                    owner=caller.owner,
+                    chat=chat,
+                    messages=[m.to_wire() for m in chat.messages or ()],
+                    # What decides retry vs. conflict: the generation's inputs, the model included (not
+                    # stream, stream_options or user).
+                    fingerprint=hashlib.sha256(f"{kind}\n{chat.canonical()}".encode()).hexdigest(),
+                    weight=caller.weight,
+                    extra={"api": kind, "created": int(time.time()), **extra},
+                    # Nobody has to stay attached to a background response: it lives until it ends (or
+                    # the store's bound on unfinished requests), like a job.
+                    detach_timeout_ms=gw.store.settings.unfinished_ttl_ms if background else None,
+                ),
             )
-        if res.outcome == "user_limit":
-            cap = gw.store.settings.max_inflight_per_user
-            raise ApiError(
-                429,
-                f"at most {cap} requests queued or running per user",
-                code="rate_limited",
-                retry_after_ms=1000,
-            )
-        if res.outcome == "overloaded":
-            workers = max(1, len(await gw.store.live_workers()))
-            raise ApiError(
-                503,
-                "the server's queue is full; retry later",
-                code="overloaded",
-                retry_after_ms=min(30_000, 250 + 100 * res.queued // workers),
-            )
-        log.info("http.request_accepted", request_id=chat.id, outcome=res.outcome, api=kind)
-        return res
+        except ProtocolError as exc:
+            raise api_error(exc) from None
+        log.info("http.request_accepted", request_id=chat.id, outcome=sub.result.outcome, api=kind)
+        return sub
 
     async def follow(
         self, owner: str, id: str, offset: int = 0, *, attached: bool = True
@@ -411,10 +392,11 @@ class HttpApi:
     # ---- /v1/models --------------------------------------------------------------------------------
 
     async def _models(self, req: HttpRequest, caller: Caller, args: dict[str, str]) -> HttpResponse:
-        return json_response({"object": "list", "data": [_model_card(m) for m in self.model_names()]})
+        names = await self.model_names()
+        return json_response({"object": "list", "data": [_model_card(m) for m in names]})
 
     async def _model(self, req: HttpRequest, caller: Caller, args: dict[str, str]) -> HttpResponse:
-        if args["model"] not in self.model_names():
+        if args["model"] not in await self.model_names():
             raise ApiError(404, f"model {args['model'][:80]!r} is not served here", code="model_not_found")
         return json_response(_model_card(args["model"]))
 

@@ -154,9 +154,10 @@ class ChatCompletions:
         for key in ("temperature", "top_p", "seed", "stop", "cache"):
             if body.get(key) is not None:
                 params[key] = body[key]
+        params["model"] = model  # chooses the model as params.model does (unknown: 404)
         id, keyed = api.request_id(req)
         chat = api.to_chat(id, messages, params)
-        await api.submit(caller, chat, kind="chat", extra={"model": model})
+        model = (await api.submit(caller, chat, kind="chat", extra={})).model  # after any fallback
         cid = f"chatcmpl-{id}"
         created = int(time.time())
         if stream:

@@ -200,10 +200,10 @@ class Responses:
         ):
             if body.get(key) is not None:
                 params[wire] = body[key]
+        params["model"] = model  # chooses the model as params.model does (unknown: 404)
         id, keyed = api.request_id(req)
         chat = api.to_chat(id, messages, params)
         extra = {
-            "model": model,
             "instructions": instructions,
             "previous_response_id": prev_id,
             "background": background,

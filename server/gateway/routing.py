@@ -40,7 +40,13 @@ class Router:
         async with self._lock:
             if time.monotonic() - self._at > self.ttl_s:
                 try:
-                    self._workers = await self.store.live_workers()
+                    workers = await self.store.live_workers()
+                    # Affinity is for the default model's requests: only workers holding it (or saying
+                    # nothing, as before models had names) read that model's work from their own queue.
+                    models = await self.store.served_models()
+                    self._workers = {
+                        w: load for w, load in workers.items() if models.get(w, ("", ""))[1] == ""
+                    }
                 except Exception as exc:  # routing is an optimisation: never fail a request over it
                     log.warning("router.refresh_failed", error=str(exc))
                 self._at = time.monotonic()

@@ -22,6 +22,7 @@ from server.defaults import DEFAULT_MAX_TOKENS
 from server.gateway.connection import Connection, handle
 from server.gateway.front_door import front_door_factory
 from server.gateway.http_api import HttpApi
+from server.gateway.models import Choice, ModelRegistry
 from server.gateway.routing import Router
 from server.gateway.static import static_response
 from server.gateway.ui_config import content_security_policy, ui_config
@@ -33,6 +34,7 @@ from server.store.sessions import SessionStore
 log = structlog.get_logger(__name__)
 
 WS_PATH = "/v1/ws"
+TTFT_FRESH_S = 10.0  # a model's TTFT reading counts for degradation this long after it was seen
 
 Route = Callable[[ServerConnection, Request], Response | None]
 
@@ -70,10 +72,16 @@ class GatewaySettings:
     degrade_ttft_s: float = 0.0  # recent time to first token seen by this gateway (moving average)
     degrade_max_tokens: int = 128
     degrade_context_messages: int = 8
+    # --fallback MODEL=LIGHT: past a threshold, MODEL's new chats go to LIGHT (rung 3 of the ladder in
+    # submit.py), unless the chat says params.fallback false.
+    fallbacks: tuple[tuple[str, str], ...] = ()
     # /metrics on a port of its own (None: on the client port, and only while auth is off).
     metrics_port: int | None = None
     metrics_host: str | None = None  # None: the same address as host
     ui_connect: tuple[str, ...] = ()  # WebSocket origins the browser UI may use besides this server's
+
+    def fallback_for(self, model: str) -> str | None:
+        return next((light for heavy, light in self.fallbacks if heavy == model), None)
 
 
 class Gateway:
@@ -93,12 +101,14 @@ class Gateway:
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.reader = LogReader(reader_redis, store.keys, self.name)
         self.router = Router(store)
+        self.models = ModelRegistry(store)  # serve sets .local to its own models
         self.http = HttpApi(self)  # the OpenAI-compatible HTTP API on the same port (front_door.py)
         self.ready = ready
         self.connections: set[Connection] = set()
         self._attached: dict[str, int] = {}  # request key -> streams of this process attached to it
-        self.ttft_ewma_s = 0.0  # time from accepting a new chat to its first delta, smoothed
-        self._queued = (0.0, 0)  # (monotonic time read, requests queued) — read at most once a second
+        # Per model: time from accepting a new chat to its first delta, smoothed, and when last seen.
+        self._ttft: dict[str, tuple[float, float]] = {}
+        self._queued: dict[str, tuple[float, int]] = {}  # per route: (monotonic time read, queued)
         self._server: Server | None = None
         self._touch_task: asyncio.Task[None] | None = None
         self.routes = self._routes()
@@ -150,20 +160,30 @@ class Gateway:
             self.store_reachable = reachable
             await asyncio.sleep(period_s)
 
-    def observe_ttft(self, seconds: float) -> None:
-        self.ttft_ewma_s = seconds if not self.ttft_ewma_s else 0.8 * self.ttft_ewma_s + 0.2 * seconds
+    def observe_ttft(self, seconds: float, model: str = "") -> None:
+        ewma, _ = self._ttft.get(model, (0.0, 0.0))
+        ewma = seconds if not ewma else 0.8 * ewma + 0.2 * seconds
+        self._ttft[model] = (ewma, time.monotonic())
 
-    async def degraded(self) -> bool:
-        """Whether new chats should be degraded now (queue depth or TTFT past its threshold)."""
+    def ttft(self, model: str = "") -> float:
+        """The model's recent TTFT as this gateway saw it; 0 once it is older than TTFT_FRESH_S (a model
+        whose new chats all fell back gets no new readings, and must get a chance to show it recovered)."""
+        ewma, at = self._ttft.get(model, (0.0, 0.0))
+        return ewma if time.monotonic() - at <= TTFT_FRESH_S else 0.0
+
+    async def degraded(self, model: Choice | None = None) -> bool:
+        """Whether new chats of ``model`` (default: the default model) should go down the degradation
+        ladder now (its queue depth or TTFT past a threshold)."""
         st = self.settings
-        if st.degrade_ttft_s and self.ttft_ewma_s > st.degrade_ttft_s:
+        name, route = (model.name, model.route) if model is not None else ("", "")
+        if st.degrade_ttft_s and self.ttft(name) > st.degrade_ttft_s:
             return True
         if not st.degrade_queue_depth:
             return False
-        at, queued = self._queued
+        at, queued = self._queued.get(route, (0.0, 0))
         if time.monotonic() - at > 1.0:
-            queued = await self.store.queued()
-            self._queued = (time.monotonic(), queued)
+            queued = await self.store.queued(route)
+            self._queued[route] = (time.monotonic(), queued)
         return queued >= st.degrade_queue_depth
 
     def limits(self) -> dict[str, int]:
@@ -224,7 +244,10 @@ class Gateway:
 
     def _ui_config(self, conn: ServerConnection, request: Request) -> Response:
         body = ui_config(
-            connect=self.settings.ui_connect, model=self.model_name, max_tokens=self.settings.max_tokens
+            connect=self.settings.ui_connect,
+            model=self.model_name,
+            max_tokens=self.settings.max_tokens,
+            models=self.models.local,
         )
         headers = Headers(
             [

@@ -41,13 +41,17 @@ def content_security_policy(host: str | None, connect: Sequence[str]) -> str:
     )
 
 
-def ui_config(*, connect: Sequence[str], model: str | None, max_tokens: int) -> bytes:
-    """The body of ``/config.json``."""
+def ui_config(
+    *, connect: Sequence[str], model: str | None, max_tokens: int, models: Sequence[str] = ()
+) -> bytes:
+    """The body of ``/config.json``: ``model`` is the default model's name, ``models`` every model this
+    process serves (the default first; a cluster's gateway knows none: the UI reads welcome.models)."""
     defaults = sampling_defaults()
     body = {
         "defaults": defaults,
         "limits": {"max_tokens": max_tokens},
         "model": model,
+        "models": list(models),
         "connect": list(connect),
         "ws_path": "/v1/ws",
     }

@@ -112,15 +112,23 @@ class Keys:
             return f"{self.prefix}cache:*:{key}"  # no tag: shared entries spread over the slots
         return self._scoped("cache", owner, key)
 
-    # ---- the work queue (per partition) ------------------------------------------------------------
+    # ---- the work queue (per partition, per model) --------------------------------------------------
 
-    def queue(self, partition: int = 0) -> str:
-        """The shared work queue (a stream) of one partition."""
-        return f"{self._base(partition)}queue"
+    def queue(self, partition: int = 0, route: str = "") -> str:
+        """The shared work queue (a stream) of one partition for one model: ``route`` is "" for the
+        deployment's default model (so a deployment of one model keeps its keys) or another model's
+        name. Only workers holding that model read it."""
+        return f"{self._base(partition)}queue" + (f":m:{route}" if route else "")
 
-    def queued_count(self, partition: int = 0) -> str:
-        """How many of the partition's requests are queued (not yet started)."""
-        return f"{self._base(partition)}queued"
+    def queued_count(self, partition: int = 0, route: str = "") -> str:
+        """How many of the partition's requests for one model are queued (not yet started)."""
+        return f"{self._base(partition)}queued" + (f":m:{route}" if route else "")
+
+    def model_queue(self, route: str, partition: int = 0) -> str:
+        return self.queue(partition, route)
+
+    def model_queued_count(self, route: str, partition: int = 0) -> str:
+        return self.queued_count(partition, route)
 
     def worker_queue(self, worker: str, partition: int = 0) -> str:
         """A worker's own queue in one partition: requests routed to it by session affinity."""
@@ -150,3 +158,9 @@ class Keys:
     def workers_load(self) -> str:
         """Hash: worker id -> "running/capacity", for session-affinity routing."""
         return f"{self._global}wload"
+
+    @property
+    def worker_models(self) -> str:
+        """Hash: worker id -> JSON ``{"model", "route"}``, the model that worker holds (written with each
+        heartbeat, removed when the worker is reaped); gateways list the models of live workers."""
+        return f"{self._global}wmodels"

@@ -12,6 +12,7 @@ therefore starts exactly at offset ``o``, and a second write of an offset is imp
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -48,7 +49,7 @@ def _s(v: Any) -> str:
 
 
 # The request hash's fields that make a RequestInfo, in the order _info reads them.
-_INFO_FIELDS = ("state", "epoch", "completion_tokens", "prompt_tokens", "finish_reason", "session")
+_INFO_FIELDS = ("state", "epoch", "completion_tokens", "prompt_tokens", "finish_reason", "session", "model")
 
 
 def _info(owner: str, id: str, f: list[Any]) -> RequestInfo:
@@ -62,6 +63,7 @@ def _info(owner: str, id: str, f: list[Any]) -> RequestInfo:
         prompt_tokens=int(f[3] or 0),
         finish_reason=_s(f[4]) if f[4] is not None else None,
         session=_s(f[5] or b""),
+        model=_s(f[6] or b""),
     )
 
 
@@ -83,6 +85,7 @@ class RequestInfo:
     prompt_tokens: int
     finish_reason: str | None
     session: str
+    model: str = ""  # the model that serves it ("" for requests made before models had names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,7 @@ class WorkItem:
     epoch: int
     queue_wait_ms: int = 0  # from creation (or re-queue) to this start, on the Redis clock
     cache_key: str = ""  # the response-cache entry its log is copied to when it ends normally ("" for none)
+    route: str = ""  # its model's queue (Keys.model_queue): where it goes back to if re-queued
 
 
 @dataclass(slots=True)
@@ -202,6 +206,8 @@ class RequestStore:
         shared_cache: bool = False,
         turn_after: str | None = None,
         detach_timeout_ms: int | None = None,
+        model: str = "",
+        route: str = "",
     ) -> SubmitResult:
         """Create request ``(owner, id)`` and queue it, or report what exists under that id. Atomic.
 
@@ -221,6 +227,10 @@ class RequestStore:
         otherwise this request becomes the session's latest turn. None: not a content-mode turn.
         ``detach_timeout_ms`` overrides the detach timeout of this request (a background HTTP response
         passes its unfinished TTL: nobody needs to stay attached to it).
+        ``model`` names the model that serves it (recorded for ``accepted.model``); ``route`` picks that
+        model's queue and counter (``Keys.model_queue``: "" for the default model). Session affinity
+        (``prefer``) applies to the default model's queue only: a reaped worker's affinity queue drains
+        into the default queue.
         """
         k = self.keys
         st = self.settings
@@ -229,18 +239,20 @@ class RequestStore:
         # Every key is in the owner's partition (one slot); one not needed is passed as the request's own.
         inflight = k.inflight(owner) if st.max_inflight_per_user else ""
         members = sorted(_s(m) for m in await self.r.smembers(inflight)) if inflight else []
+        if route:
+            prefer = ""  # affinity queues hold the default model's requests only
         # Read outside the transition, since they may live in other slots: the other partitions' queued
-        # counts (the queue limit is global; a race between gateways may let a few more in) and the
-        # response-cache entry (a shared one is in no owner's partition; an entry that expires meanwhile
-        # is still a valid answer).
-        elsewhere = await self._queued([q for q in self.partitions if q != p]) if st.max_queued else 0
+        # counts of this model (the queue limit is global; a race between gateways may let a few more
+        # in) and the response-cache entry (a shared one is in no owner's partition; an entry that
+        # expires meanwhile is still a valid answer).
+        elsewhere = await self._queued([q for q in self.partitions if q != p], route) if st.max_queued else 0
         cache = k.cache(cache_key, None if shared_cache else owner) if cache_key else ""
         cached = _s(await self.r.get(cache) or b"") if cache else ""
         res = await self._submit(
             keys=[
                 req,
-                k.queue(p),
-                k.queued_count(p),
+                k.queue(p, route),
+                k.queued_count(p, route),
                 k.worker_queue(prefer, p) if prefer else req,
                 req,
                 k.log(owner, id),
@@ -270,6 +282,8 @@ class RequestStore:
                 elsewhere,
                 cached,
                 cache,
+                model,
+                route,
             ],
         )
         outcome, epoch, state = _s(res[0]), int(res[1]), _s(res[2])
@@ -292,6 +306,7 @@ class RequestStore:
         if f[0] is None:
             return None
         info = _info(owner, id, f)
+        n = len(_INFO_FIELDS)
         text: list[str] = []
         error_code = error_message = ""
         for _id, fields in entries:
@@ -302,8 +317,8 @@ class RequestStore:
                 text.append(_s(fields[b"t"]))
         return RequestView(
             info=info,
-            payload=json.loads(_s(f[6])) if f[6] else {},
-            created_ms=int(f[7] or 0),
+            payload=json.loads(_s(f[n])) if f[n] else {},
+            created_ms=int(f[n + 1] or 0),
             text="".join(text),
             error_code=error_code,
             error_message=error_message,
@@ -316,9 +331,10 @@ class RequestStore:
         req = k.request(owner, id)
         p = k.partition(owner)
         while True:
-            worker = _s(await self.r.hget(req, "worker") or b"")
+            worker_b, route_b = await self.r.hmget(req, ["worker", "route"])
+            worker, route = _s(worker_b or b""), _s(route_b or b"")
             res = await self._cancel(
-                keys=[req, k.log(owner, id), k.queued_count(p), k.worker_requests(worker, p)],
+                keys=[req, k.log(owner, id), k.queued_count(p, route), k.worker_requests(worker, p)],
                 args=[self.settings.retention_ms, worker],
             )
             if res is None:
@@ -353,12 +369,14 @@ class RequestStore:
 
     # ---- worker side ---------------------------------------------------------------------------
 
-    async def ensure_group(self, worker: str | None = None, partition: int | None = None) -> None:
-        """Create the consumer group on the shared queue and on ``worker``'s own queue of every partition
-        (or of ``partition``) (idempotent). A worker's own queue existing is what lets submit.lua route
-        work to it (reap.lua deletes it)."""
+    async def ensure_group(
+        self, worker: str | None = None, partition: int | None = None, routes: tuple[str, ...] = ("",)
+    ) -> None:
+        """Create the consumer group on the queues of ``routes`` (models, Keys.queue) and on ``worker``'s
+        own queue, in every partition (or in ``partition``) (idempotent). A worker's own queue existing is
+        what lets submit.lua route work to it (reap.lua deletes it)."""
         parts = self.partitions if partition is None else [partition]
-        queues = [self.keys.queue(p) for p in parts]
+        queues = [self.keys.queue(p, r) for p in parts for r in routes]
         if worker:
             queues += [self.keys.worker_queue(worker, p) for p in parts]
         for q in queues:
@@ -369,16 +387,24 @@ class RequestStore:
                     raise
 
     async def take(
-        self, worker: str, count: int, block_ms: int, *, pending: bool = False, partition: int = 0
+        self,
+        worker: str,
+        count: int,
+        block_ms: int,
+        *,
+        pending: bool = False,
+        partition: int = 0,
+        routes: tuple[str, ...] = ("",),
     ) -> list[tuple[str, str, str]]:
-        """Next entries for this worker from its own queue and the shared one of one partition, in one
-        blocking read (both are in the partition's slot; a worker reads each partition in a loop of its
-        own): [(queue, entry id, request key)]. Blocks up to ``block_ms``. ``pending=True``: instead, the
-        entries already delivered to this worker and not yet started (after a failure between reading
-        and starting them; without this they would wait for this worker's death to be re-queued)."""
+        """Next entries for this worker from its own queue and the queues of the models it holds
+        (``routes``, Keys.queue) in one partition, in one blocking read (all are in the partition's slot; a
+        worker reads each partition in a loop of its own): [(queue, entry id, request key)]. Blocks up to
+        ``block_ms``. ``pending=True``: instead, the entries already delivered to this worker and not yet
+        started (after a failure between reading and starting them; without this they would wait for
+        this worker's death to be re-queued)."""
         own = self.keys.worker_queue(worker, partition)
         start = "0" if pending else ">"
-        streams: Any = {own: start, self.keys.queue(partition): start}
+        streams: Any = {own: start, **{self.keys.queue(partition, r): start for r in routes}}
         try:
             res: Any = await self.r.xreadgroup(self.GROUP, worker, streams, count=count, block=block_ms)
         except aioredis.ResponseError as exc:
@@ -386,7 +412,7 @@ class RequestStore:
                 raise
             # Our own queue does not exist (yet, or any more: a reaper drained and deleted it after our
             # lease lapsed). Recreate it and read again.
-            await self.ensure_group(worker, partition)
+            await self.ensure_group(worker, partition, routes)
             res = await self.r.xreadgroup(self.GROUP, worker, streams, count=count, block=block_ms)
         out: list[tuple[str, str, str]] = []
         for stream, entries in res or []:
@@ -396,19 +422,26 @@ class RequestStore:
         return out
 
     async def start(
-        self, worker: str, entry_id: str, req_key: str, queue: str | None = None
+        self, worker: str, entry_id: str, req_key: str, queue: str | None = None, route: str = ""
     ) -> WorkItem | None:
         """queued → running for ``worker`` and consume the queue entry (acknowledged and deleted), in one
         Lua transition: never one without the other.
 
         None if the request is no longer queued (cancelled while waiting, detached too long, expired); the
-        entry is consumed either way.
+        entry is consumed either way. ``route``: the model whose queued counter counts it (the entry's
+        queue is that model's queue, or this worker's own, which holds only the default model's).
         """
         p = self.partition_of(req_key)
-        queue = queue or self.keys.queue(p)
+        queue = queue or self.keys.queue(p, route)
         log_key = self.keys.log_of(req_key)
         res = await self._start(
-            keys=[req_key, self.keys.queued_count(p), log_key, self.keys.worker_requests(worker, p), queue],
+            keys=[
+                req_key,
+                self.keys.queued_count(p, route),
+                log_key,
+                self.keys.worker_requests(worker, p),
+                queue,
+            ],
             args=[worker, self.settings.retention_ms, self.GROUP, entry_id],
         )
         if not res:
@@ -423,6 +456,7 @@ class RequestStore:
             epoch=int(res[2]),
             queue_wait_ms=int(res[3]),
             cache_key=_s(res[4]) if len(res) > 4 else "",
+            route=route,
         )
 
     async def logged_tokens(self, log_key: str) -> tuple[list[int], str]:
@@ -460,7 +494,13 @@ class RequestStore:
                 scripted.append(
                     (
                         self._append,
-                        [op.item.req_key, op.item.log_key, wreqs, k.queue(p), k.queued_count(p)],
+                        [
+                            op.item.req_key,
+                            op.item.log_key,
+                            wreqs,
+                            k.queue(p, op.item.route),
+                            k.queued_count(p, op.item.route),
+                        ],
                         [
                             worker,
                             op.offset,
@@ -540,20 +580,42 @@ class RequestStore:
                 await self.load_scripts()
         raise AssertionError("unreachable")
 
-    async def heartbeat(self, worker: str, running: int = 0, capacity: int = 0) -> list[str]:
-        """Renew this worker's lease and publish its load; returns workers whose leases have lapsed."""
+    async def heartbeat(
+        self, worker: str, running: int = 0, capacity: int = 0, *, model: str = "", route: str = ""
+    ) -> list[str]:
+        """Renew this worker's lease and publish its load and the model it holds (``model``, whose queue
+        is ``route``; gateways list the models of live workers); returns workers whose leases have lapsed.
+        (Two calls: a cluster pipeline refuses script objects.)"""
         dead = await self._heartbeat(
             keys=[self.keys.workers, self.keys.workers_load],
             args=[worker, self.settings.lease_ttl_ms, running, capacity],
         )
+        if model:
+            await self.r.hset(self.keys.worker_models, worker, json.dumps({"model": model, "route": route}))
         return [_s(d) for d in dead or []]
 
+    async def served_models(self) -> dict[str, tuple[str, str]]:
+        """The models live workers hold: worker id -> (model, route). A worker's entry goes with its
+        lease (reaped: removed; lapsed: not listed)."""
+        live = await self.live_workers()
+        models = await self.r.hgetall(self.keys.worker_models)
+        out: dict[str, tuple[str, str]] = {}
+        for member, raw in models.items():
+            if _s(member) in live and raw:
+                try:
+                    m = json.loads(raw)
+                    out[_s(member)] = (str(m["model"]), str(m.get("route") or ""))
+                except (ValueError, KeyError, TypeError):
+                    continue  # not ours to interpret (a newer version's entry): skip it
+        return out
+
     async def reap(self, dead_worker: str, *, own: bool = False) -> int:
-        """Re-queue a lapsed worker's running requests, and move its affinity queue and the queue entries
-        it read but never started to the shared queue, partition by partition (each one atomic: reap.lua),
-        then forget its lease; the number of running requests re-queued, or -1 if its lease turned out
-        live. ``own=True``: a draining worker hands back its own. Moves only work not yet acknowledged
-        (queues hold nothing else), so its cost is bounded by that.
+        """Re-queue a lapsed worker's running requests (each to its own model's queue), and move its
+        affinity queue and the entries it read from its model's queue but never started back to that
+        queue, partition by partition (each one atomic: reap.lua), then forget its lease and the model it
+        advertised; the number of running requests re-queued, or -1 if its lease turned out live.
+        ``own=True``: a draining worker hands back its own. Moves only work not yet acknowledged (queues
+        hold nothing else), so its cost is bounded by that.
 
         The lease is checked first and dropped last (lease.lua: it lives in another slot than the
         partitions). Two reapers racing re-queue each request once (reap.lua checks each request's holder);
@@ -565,33 +627,52 @@ class RequestStore:
         me = "self" if own else ""
         if int(await self._lease(keys=lease_keys, args=[dead_worker, me, "check"])) == -1:
             return -1
+        advertised = await self.r.hget(k.worker_models, dead_worker)
+        route = ""
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            route = str(json.loads(advertised or b"{}").get("route") or "")
         total = 0
         for p in self.partitions:
             wreqs = k.worker_requests(dead_worker, p)
             while True:
                 running = sorted(_s(m) for m in await self.r.smembers(wreqs))
+                routes: list[str] = []
+                if running:
+                    pipe = self.r.pipeline(transaction=False)
+                    for req in running:
+                        pipe.hget(req, "route")
+                    routes = [_s(r or b"") for r in await execute(pipe)]
                 n = int(
                     await self._reap(
-                        keys=[wreqs, k.queue(p), k.queued_count(p), k.worker_queue(dead_worker, p), *running],
-                        args=[dead_worker, self.GROUP],
+                        keys=[
+                            wreqs,
+                            k.queue(p, route),
+                            k.queued_count(p, route),
+                            k.worker_queue(dead_worker, p),
+                            *running,
+                            *(key for r in routes for key in (k.queue(p, r), k.queued_count(p, r))),
+                        ],
+                        args=[dead_worker, self.GROUP, len(running)],
                     )
                 )
                 if n != -2:  # -2: it started another request since we read its set
                     total += n
                     break
         await self._lease(keys=lease_keys, args=[dead_worker, me, "drop"])
+        await self.r.hdel(k.worker_models, dead_worker)
         return total
 
     async def ping(self) -> None:
         """Raise unless the store answers (a round trip; readiness probes call it)."""
         await self.r.ping()
 
-    async def queued(self) -> int:
-        """Requests waiting in the queue (all partitions, all workers)."""
-        return await self._queued(self.partitions)
+    async def queued(self, route: str = "") -> int:
+        """Requests waiting in one model's queue (``route`` as in Keys.queue; all partitions, all
+        workers)."""
+        return await self._queued(self.partitions, route)
 
-    async def _queued(self, partitions: Any) -> int:
-        keys = [self.keys.queued_count(p) for p in partitions]
+    async def _queued(self, partitions: Any, route: str = "") -> int:
+        keys = [self.keys.queued_count(p, route) for p in partitions]
         if not keys:
             return 0
         # One GET per partition (an MGET may not span slots), pipelined: one round trip per node.

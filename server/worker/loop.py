@@ -14,7 +14,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import structlog
 
@@ -80,9 +80,17 @@ class Worker:
         name: str | None = None,
         max_running: int = 64,
         max_buffered_steps: int = 2048,
+        model_name: str | None = None,
+        route: str = "",
     ) -> None:
         self.store = store
         self.engine = engine
+        # The one model this worker's engine holds, and its queue (Keys.model_queue: "" for the
+        # deployment's default model). A process serving several models runs one Worker per model.
+        self.model_name = model_name
+        self.route = route
+        self._taking = asyncio.Event()  # cleared by pause(): take no new work meanwhile
+        self._taking.set()
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.max_running = max_running
         # Engine steps held while Redis is unreachable; past this the worker stops generating and hands
@@ -94,7 +102,6 @@ class Worker:
         self._hand_back = False  # requests were shed during an outage: hand them back when Redis returns
         # Partitions with entries read but not started after a failure (read them again, take()).
         self._retake_pending: set[int] = set()
-        self.model_name: str | None = None  # what the loaded model calls itself (set by whoever loaded it)
         self._items: dict[str, WorkItem] = {}
         self._replies: dict[str, list[str]] = {}
         self._timing: dict[str, _Timing] = {}
@@ -121,7 +128,7 @@ class Worker:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        await self.store.ensure_group(self.name)
+        await self.store.ensure_group(self.name, routes=(self.route,))
 
         def on_step(outs: list[StepOutput]) -> None:  # called on the engine thread, once per step
             loop.call_soon_threadsafe(self._steps.put_nowait, outs)
@@ -145,6 +152,7 @@ class Worker:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
+        Worker._running.pop(self.name, None)
         await cancel_and_wait(list(self._preparing))
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
@@ -166,6 +174,21 @@ class Worker:
         await self.stop()
         return handed
 
+    # Requests running per Worker of this process (one per model): the process's gauge is their sum.
+    _running: ClassVar[dict[str, int]] = {}
+
+    def _count_running(self) -> None:
+        Worker._running[self.name] = len(self._items)
+        metrics.RUNNING.set(sum(Worker._running.values()))
+
+    def pause(self) -> None:
+        """Take no new work until :meth:`resume` (running requests go on). New chats for this model then
+        wait in its queue: an operator's brake, and how tests build a backlog without timing."""
+        self._taking.clear()
+
+    def resume(self) -> None:
+        self._taking.set()
+
     def _store_failed(self, exc: Exception) -> None:
         if self.store_ok:
             log.warning("worker.store_unreachable", error=str(exc), worker=self.name)
@@ -182,6 +205,7 @@ class Worker:
         parts = len(self.store.partitions)
         while True:
             await self._room.wait()
+            await self._taking.wait()
             await self._store_up.wait()  # no new work while Redis is unreachable
             try:
                 room = self.max_running - len(self._items)
@@ -190,12 +214,20 @@ class Worker:
                 count = max(1, room // parts)
                 pending = partition in self._retake_pending
                 entries = await self.store.take(
-                    self.name, count=count, block_ms=1000, pending=pending, partition=partition
+                    self.name,
+                    count=count,
+                    block_ms=1000,
+                    pending=pending,
+                    partition=partition,
+                    routes=(self.route,),
                 )
                 if pending and not entries:
                     self._retake_pending.discard(partition)
+                own = self.store.keys.worker_queue(self.name, partition)
                 for queue, entry_id, req_key in entries:
-                    item = await self.store.start(self.name, entry_id, req_key, queue)
+                    # Its own queue holds only the default model's requests (session affinity).
+                    route = "" if queue == own else self.route
+                    item = await self.store.start(self.name, entry_id, req_key, queue, route)
                     if item is not None:
                         resume: tuple[list[int], str] = ([], "")
                         if item.completion_tokens:
@@ -211,7 +243,9 @@ class Worker:
                 await asyncio.sleep(0.5)
 
     async def _heartbeat(self) -> list[str]:
-        dead = await self.store.heartbeat(self.name, len(self._items), self.max_running)
+        dead = await self.store.heartbeat(
+            self.name, len(self._items), self.max_running, model=self.model_name or "", route=self.route
+        )
         self.last_heartbeat = time.monotonic()
         self._store_answered()
         return dead
@@ -233,7 +267,10 @@ class Worker:
                     if n >= 0:
                         metrics.REQUEUED.inc(n)
                         log.warning("worker.reaped", dead_worker=dead, requeued=n, worker=self.name)
-                metrics.QUEUE_DEPTH.set(await self.store.queued())
+                depth = await self.store.queued(self.route)
+                metrics.MODEL_QUEUE_DEPTH.labels(self.model_name or "").set(depth)
+                if not self.route:
+                    metrics.QUEUE_DEPTH.set(depth)  # the default model's queue, as before models had names
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -250,7 +287,7 @@ class Worker:
         self._replies[key] = [resumed_text]
         if len(self._items) >= self.max_running:
             self._room.clear()
-        metrics.RUNNING.set(len(self._items))
+        self._count_running()
         metrics.QUEUE_WAIT.observe(item.queue_wait_ms / 1000)
         request = GenerationRequest(
             key=key,
@@ -389,7 +426,7 @@ class Worker:
                         rlog.info("request.finished", finish=op.finish, tokens=op.offset + op.n)
                     elif not ok:
                         rlog.info("request.stopped", reason="cancelled, detached or taken over")
-            metrics.RUNNING.set(len(self._items))
+            self._count_running()
             if len(self._items) < self.max_running:
                 self._room.set()
             if not self._items:

@@ -45,13 +45,36 @@ class Probes:
     """The worker's state as probes see it; ``worker`` is set once the model is loaded."""
 
     def __init__(self) -> None:
-        self.worker: Worker | None = None
+        self.workers: list[Worker] = []  # one per model this process holds; all must pass
         self._metrics = make_wsgi_app()
 
+    @property
+    def worker(self) -> Worker | None:
+        return self.workers[0] if self.workers else None
+
+    @worker.setter
+    def worker(self, w: Worker | None) -> None:
+        self.workers = [w] if w is not None else []
+
     def live(self) -> tuple[bool, str]:
-        w = self.worker
-        if w is None:
+        if not self.workers:
             return True, "loading the model"
+        for w in self.workers:
+            ok, why = self._live(w)
+            if not ok:
+                return ok, why
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        if not self.workers:
+            return False, "loading the model"
+        for w in self.workers:
+            ok, why = self._ready(w)
+            if not ok:
+                return ok, why
+        return True, "ok"
+
+    def _live(self, w: Worker) -> tuple[bool, str]:
         if not w.engine_alive():
             return False, "the engine thread has stopped"
         stalled = time.monotonic() - w.last_tick
@@ -59,11 +82,8 @@ class Probes:
             return False, f"the event loop has not run the lease loop for {stalled:.0f} s"
         return True, "ok"
 
-    def ready(self) -> tuple[bool, str]:
-        w = self.worker
-        if w is None:
-            return False, "loading the model"
-        live, why = self.live()
+    def _ready(self, w: Worker) -> tuple[bool, str]:
+        live, why = self._live(w)
         if not live:
             return False, why
         if w.draining:

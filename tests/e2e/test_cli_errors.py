@@ -129,6 +129,29 @@ CASES = [
         "listening",
     ),
     Case(
+        "fallback to a model not served",
+        [*["serve", *STORE, "--model", "big={model}", "--fallback", "big=light", "--port", "0"]],
+        2,
+        "--fallback big=light: 'light' is not a served model (big)",
+        "listening",
+    ),
+    Case(
+        "two models of one name",
+        [*["serve", *STORE, "--model", "a={model}", "--model", "a={model}", "--port", "0"]],
+        2,
+        "--model: two models named 'a'; name them apart with --model NAME=DIR",
+        "listening",
+    ),
+    Case(
+        "model name with a space",
+        ["worker", *STORE, "--model", "my model={model}"],
+        2,
+        "a model name is 1-64 letters, digits, '.', '_' or '-'",
+    ),
+    Case(
+        "fallback without its light model", ["gateway", "--fallback", "big"], 2, "expected MODEL=LIGHT_MODEL"
+    ),
+    Case(
         "worker model folder missing",
         ["worker", "--redis-url", "{redis}", "--key-prefix", "{prefix}", "--model", "/nonexistent"],
         2,

@@ -6,16 +6,19 @@
 -- re-queue each request once. Only unacknowledged work moves: start.lua deletes every entry it consumes,
 -- so whatever is left in a queue is work not yet started, and the script's cost is bounded by that.
 -- All keys are in one partition (one hash slot):
--- KEYS[1] the worker's set of running requests, KEYS[2] the work queue stream, KEYS[3] queued-requests
---   counter, KEYS[4] the worker's own queue (requests routed to it by session affinity, not yet started),
---   KEYS[5..] the members of KEYS[1] as the caller read them (declared keys)
--- ARGV: 1 worker id, 2 consumer group
+-- KEYS[1] the worker's set of running requests, KEYS[2] the work queue stream of the worker's model,
+--   KEYS[3] its queued-requests counter, KEYS[4] the worker's own queue (requests routed to it by session
+--   affinity, not yet started), KEYS[5..4+n] the n members of KEYS[1] as the caller read them (declared
+--   keys), then for each member in that order the work queue and queued counter of its model (a request
+--   goes back to its own model's queue; without them, KEYS[2] and KEYS[3])
+-- ARGV: 1 worker id, 2 consumer group, 3 n (absent: every key from KEYS[5] is a member)
 -- Returns the number of running requests re-queued, or -2 (nothing changed) if KEYS[1] holds a request
 -- the caller did not declare: it reads the set and retries.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n_declared = tonumber(ARGV[3] or (#KEYS - 4))
 local declared = {}
-for i = 5, #KEYS do declared[KEYS[i]] = true end
+for i = 5, 4 + n_declared do declared[KEYS[i]] = i - 4 end
 local members = redis.call('SMEMBERS', KEYS[1])
 for _, req in ipairs(members) do
   if not declared[req] then return -2 end
@@ -26,8 +29,10 @@ for _, req in ipairs(members) do
   if f[1] == 'running' and f[2] == ARGV[1] then
     redis.call('HSET', req, 'state', 'queued', 'worker', '', 'updated_ms', now)
     redis.call('HINCRBY', req, 'requeues', 1)
-    redis.call('INCR', KEYS[3])
-    redis.call('XADD', KEYS[2], '*', 'req', req)
+    local j = 4 + n_declared + 2 * declared[req]
+    local queue, counter = KEYS[j - 1] or KEYS[2], KEYS[j] or KEYS[3]
+    redis.call('INCR', counter)
+    redis.call('XADD', queue, '*', 'req', req)
     n = n + 1
   end
 end

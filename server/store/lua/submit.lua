@@ -14,7 +14,9 @@
 --       17 requests queued in the other partitions (as the caller read them just before: the queue limit
 --       is global, its other partitions live in other slots), 18 the response-cache entry the caller read
 --       ("" for none: not cacheable, or a miss), 19 the response-cache key this request's log is cached
---       under when it ends normally ("" when not cacheable)
+--       under when it ends normally ("" when not cacheable), 20 the model that serves it, 21 its route
+--       ("" for the default model; KEYS[2] and KEYS[3] are that model's queue and counter in this
+--       partition, and reap.lua re-queues the request to them)
 -- Returns {"attach", epoch, state} | {"conflict", 0, state} | {"overloaded", queued, ""} | {"new", 1, "queued"}
 --       | {"user_limit", in_flight, ""} (the owner already has that many queued or running; nothing written)
 --       | {"cached", 1, "done"} (answered from the response cache: the log is written, no worker runs)
@@ -64,7 +66,7 @@ if ARGV[18] ~= '' then
       'owner', ARGV[1], 'id', ARGV[2], 'fp', ARGV[3], 'payload', ARGV[4],
       'epoch', 1, 'state', 'done', 'finish_reason', c.d, 'created_ms', now, 'updated_ms', now,
       'finished_ms', now, 'session', ARGV[5], 'user_msg', ARGV[6], 'completion_tokens', total,
-      'prompt_tokens', c.pt, 'cached', 1)
+      'prompt_tokens', c.pt, 'cached', 1, 'model', ARGV[20] or '', 'route', ARGV[21] or '')
     redis.call('PEXPIRE', req, ARGV[11])
     redis.call('PEXPIRE', KEYS[6], ARGV[11])
     if ARGV[6] ~= '' then
@@ -107,7 +109,8 @@ redis.call('HSET', req,
   'owner', ARGV[1], 'id', ARGV[2], 'fp', ARGV[3], 'payload', ARGV[4],
   'epoch', 1, 'state', 'queued', 'created_ms', now, 'updated_ms', now,
   'session', ARGV[5], 'user_msg', ARGV[6], 'completion_tokens', 0, 'prompt_tokens', 0,
-  'attached_until', now + tonumber(ARGV[9]), 'cache_key', ARGV[19])
+  'attached_until', now + tonumber(ARGV[9]), 'cache_key', ARGV[19],
+  'model', ARGV[20] or '', 'route', ARGV[21] or '')
 redis.call('PEXPIRE', req, ARGV[7])
 redis.call('INCR', KEYS[3])
 if max_inflight > 0 then

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from openai import AsyncOpenAI, NotFoundError
+from redis.asyncio.cluster import RedisCluster
 
 from protocol import Accepted, Done, Error, Params, Resume
 from server import metrics
@@ -26,6 +27,10 @@ from server.store.keys import Keys
 from server.store.requests import FINAL_STATES, RequestStore, Settings
 from server.store.sessions import SessionStore
 from server.worker.loop import Worker
+from tests.gateway.conftest import ON_BOTH, client
+
+# On the plain Redis and on the 3-master Valkey cluster: per-model queues live in every partition.
+pytestmark = ON_BOTH
 
 
 @dataclass
@@ -54,7 +59,7 @@ async def two_models(
     """Workers for "big" (the default model, route "") and "light" (its own queue) with real engines, and
     a gateway that knows them as serve's does (``local``) or only from the workers' advertisements, as a
     cluster's gateway does."""
-    reader_r = aioredis.from_url(redis_url)
+    reader_r = client(redis_url, isinstance(redis, RedisCluster))
     st = RequestStore(redis, keys, store or Settings())
     sessions = SessionStore(redis, keys, b"test-secret", 60_000)
     engines = [
@@ -331,7 +336,7 @@ async def test_http_model_field_chooses_like_params_model(
 
 async def _http_owner(redis: aioredis.Redis, keys: Keys, rid: str) -> str:
     """The owner an HTTP caller's key maps to, found by the request id (the only one in this test)."""
-    async for k in redis.scan_iter(match=f"{keys.prefix}req:*:{rid}"):
+    async for k in redis.scan_iter(match=f"{keys.prefix}*req:*:{rid}"):  # partitioned: {pN}:req
         payload = json.loads(await redis.hget(k, "payload"))
         return str(payload["owner"])
     raise AssertionError("no such request")

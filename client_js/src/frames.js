@@ -105,6 +105,10 @@ export function params(p = {}) {
     if (typeof p.cache !== "boolean") throw new TypeError(`params.cache: expected a boolean, got ${p.cache}`);
     out.cache = p.cache;
   }
+  // Penalties (SPEC §4.2): repetition in (0, 2], frequency and presence in [−2, 2].
+  floatIn("repetition_penalty", 0, 2, true);
+  floatIn("frequency_penalty", -2, 2, false);
+  floatIn("presence_penalty", -2, 2, false);
   if (p.model != null) {
     // A served model's name (welcome.models), or "default" (SPEC §4.2).
     if (typeof p.model !== "string" || codePoints(p.model) < 1 || codePoints(p.model) > 128) {

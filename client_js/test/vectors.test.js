@@ -129,3 +129,18 @@ test("the browser entry's vendored msgpack gives the same bytes for every vector
     assert.deepEqual(codec.decode(fromHex(v.msgpack_hex)), v.frame, v.name);
   }
 });
+
+test("penalties are sent as floats in the Python key order, and refused outside their ranges", () => {
+  const f = frames.chat({
+    id: "r", content: "x",
+    params: { presence_penalty: 0.5, repetition_penalty: 1.2, max_tokens: 4, frequency_penalty: -1 },
+  });
+  assert.equal(
+    JSON_.encode(f),
+    '{"type":"chat","id":"r","content":"x","params":{"max_tokens":4,"repetition_penalty":1.2,"frequency_penalty":-1.0,"presence_penalty":0.5}}',
+  );
+  assert.throws(() => frames.chat({ id: "r", content: "x", params: { repetition_penalty: 0 } }), /repetition_penalty/);
+  assert.throws(() => frames.chat({ id: "r", content: "x", params: { repetition_penalty: 2.5 } }), /repetition_penalty/);
+  assert.throws(() => frames.chat({ id: "r", content: "x", params: { frequency_penalty: -2.1 } }), /frequency_penalty/);
+  assert.throws(() => frames.chat({ id: "r", content: "x", params: { presence_penalty: "1" } }), /presence_penalty/);
+});

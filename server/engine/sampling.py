@@ -77,11 +77,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
         # Nothing is cut from these rows, so the order of the vocabulary does not matter: inverse CDF over
         # it as it is, with no sort.
         w = whole.nonzero().squeeze(1)
-        probs = torch.exp(scaled[w] - full_norm[w][:, None])
-        cum = probs.cumsum(dim=-1)
-        pick = torch.searchsorted(cum, (uniform[w] * cum[:, -1])[:, None], right=True).squeeze(1)
-        last = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # the last token with any mass
-        for r, t in zip(w.tolist(), torch.minimum(pick, last).tolist(), strict=True):
+        pick = _inverse_cdf(torch.exp(scaled[w] - full_norm[w][:, None]), uniform[w])
+        for r, t in zip(w.tolist(), pick.tolist(), strict=True):
             out[rows[r]] = int(t)
     pending = (~whole).nonzero().squeeze(1)
     sizes: list[int | None] = [*CANDIDATES, *([None] if ADAPTIVE else []), vocab]
@@ -114,18 +111,22 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
         done = ~waits & (has_top_k | (cum[:, -1] >= rp) | (k == vocab))
         if bool(done.any()):
             d = done.nonzero().squeeze(1)
-            kept_cum = kept[d].cumsum(dim=-1)
-            # Inverse CDF: the first kept token whose cumulative mass passes u * (kept mass).
-            target = uniform[pending[d]] * kept_cum[:, -1]
-            pick = torch.searchsorted(kept_cum, target[:, None], right=True).squeeze(1)
-            # u * mass can round up to the mass itself: then the last kept token with any mass.
-            last = (kept[d] > 0).cumsum(dim=-1).argmax(dim=-1)
-            pick = torch.minimum(pick, last)
+            pick = _inverse_cdf(kept[d], uniform[pending[d]])
             tokens = idx[d].gather(1, pick[:, None]).squeeze(1)
             for r, t in zip(pending[d].tolist(), tokens.tolist(), strict=True):
                 out[rows[r]] = int(t)
         pending = pending[~done]
     return out
+
+
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[R] the column of each row drawn by inverse CDF: the first whose cumulative weight passes
+    ``uniform`` times the row's total weight. weights: [R, K] (unnormalised, >= 0); uniform: [R] in [0, 1)."""
+    cum = weights.cumsum(dim=-1)
+    pick = torch.searchsorted(cum, (uniform * cum[:, -1])[:, None], right=True).squeeze(1)
+    # u * mass can round up to the mass itself: then the last column with any weight.
+    last = (weights > 0).cumsum(dim=-1).argmax(dim=-1)
+    return torch.minimum(pick, last)
 
 
 def _nucleus_bound(scaled: torch.Tensor, norm: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -42,12 +43,7 @@ def delete_prefix_cluster(url: str, prefix: str) -> None:
     """delete_prefix on a cluster: every primary's keys under the prefix."""
     import redis as sync_redis
 
-    r = sync_redis.RedisCluster.from_url(url)
-    try:
-        for k in r.scan_iter(match=f"{prefix}*", count=500):
-            r.delete(k)
-    finally:
-        r.close()
+    _delete_under(sync_redis.RedisCluster.from_url(url), prefix)
 
 
 @pytest.fixture
@@ -60,7 +56,11 @@ def delete_prefix(redis_url: str, prefix: str) -> None:
     """Delete every key under a test's own prefix (and nothing else: the Redis may be shared)."""
     import redis as sync_redis
 
-    r = sync_redis.Redis.from_url(redis_url)
+    _delete_under(sync_redis.Redis.from_url(redis_url), prefix)
+
+
+def _delete_under(r: Any, prefix: str) -> None:
+    """Delete the keys under ``prefix`` through client ``r`` (a Redis or a RedisCluster), then close it."""
     try:
         for k in r.scan_iter(match=f"{prefix}*", count=500):
             r.delete(k)

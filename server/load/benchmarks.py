@@ -111,6 +111,12 @@ def _soak(work: Path, requests: int) -> dict[str, Any]:
 SECTIONS = ("engine", "e2e", "hostile", "idle", "cluster", "soak", "noisy")
 
 
+def _serve(work: Path) -> _Server:
+    """``tokenwire serve`` with the default model on its embedded Valkey, for one section's loads."""
+    args = ["serve", "--port", "0", "--data-dir", str(work / "serve-data"), "--log-level", "warning"]
+    return _Server(args, "tokenwire ready")
+
+
 def _engine(work: Path, quick: bool) -> dict[str, Any]:
     """``tokenwire bench`` with every path, then the engine and the padded loop in each CPU dtype, for
     the targets that must hold in both."""
@@ -142,10 +148,7 @@ def _e2e(work: Path, quick: bool) -> dict[str, Any]:
     single run by 5-10 %."""
     workload, _users = _workload(quick)
     out: dict[str, Any] = {"engine_only": [], "load32": [], "load32_http": []}
-    with _Server(
-        ["serve", "--port", "0", "--data-dir", str(work / "serve-data"), "--log-level", "warning"],
-        "tokenwire ready",
-    ) as s:
+    with _serve(work) as s:
         for i in range(E2E_ROUNDS):
             out["engine_only"].append(
                 _load("", work / f"engine_only-{i}.json", "--engine-only", *workload)
@@ -164,10 +167,7 @@ def _e2e(work: Path, quick: bool) -> dict[str, Any]:
 def _hostile_run(work: Path, quick: bool) -> dict[str, Any]:
     _workload_args, users = _workload(quick)
     n_req = 16 if quick else 64
-    with _Server(
-        ["serve", "--port", "0", "--data-dir", str(work / "serve-data"), "--log-level", "warning"],
-        "tokenwire ready",
-    ) as s:
+    with _serve(work) as s:
         # One client sends a ~940 KiB, 64-message chat over and over while the others stream.
         hostile = _load(
             s.urls[0], work / "hostile.json", "--scenario", "hostile-prompt", "--users",
@@ -179,10 +179,7 @@ def _hostile_run(work: Path, quick: bool) -> dict[str, Any]:
 
 def _idle(work: Path, quick: bool) -> dict[str, Any]:
     idle_n = 500 if quick else 5000
-    with _Server(
-        ["serve", "--port", "0", "--data-dir", str(work / "serve-data"), "--log-level", "warning"],
-        "tokenwire ready",
-    ) as s:
+    with _serve(work) as s:
         assert s.proc is not None
         idle = _load(
             s.urls[0], work / "idle.json", "--idle-only", "--idle", str(idle_n), "--duration", "20",

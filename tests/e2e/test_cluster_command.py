@@ -50,11 +50,7 @@ async def test_cluster_command_serves_on_every_gateway_and_stops_on_ctrl_c(
     )  # fmt: skip
     try:
         assert proc.stdout is not None
-        lines: list[str] = []
-        while not lines or not lines[-1].startswith("tokenwire cluster ready"):
-            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
-            assert line, f"cluster exited early: {lines}"
-            lines.append(line)
+        lines = await _until_ready(proc.stdout)
         assert f"ws://127.0.0.1:{port}/v1/ws" in lines[-1] and f"ws://127.0.0.1:{port + 1}/v1/ws" in lines[-1]
         assert sum("tokenwire ready" in x for x in lines) == 2  # both workers
         for p in (port, port + 1):
@@ -88,6 +84,16 @@ async def test_cluster_command_serves_on_every_gateway_and_stops_on_ctrl_c(
         delete_prefix(redis_url, prefix)
 
 
+async def _until_ready(stdout: asyncio.StreamReader) -> list[str]:
+    """The cluster command's stdout lines up to its ready line (the last one)."""
+    lines: list[str] = []
+    while not lines or not lines[-1].startswith("tokenwire cluster ready"):
+        line = (await asyncio.wait_for(stdout.readline(), 120)).decode()
+        assert line, f"cluster exited early: {lines}"
+        lines.append(line)
+    return lines
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -119,11 +125,7 @@ async def test_cluster_command_with_redis_shards_runs_on_its_own_valkey_cluster(
     )  # fmt: skip
     try:
         assert proc.stdout is not None
-        lines: list[str] = []
-        while not lines or not lines[-1].startswith("tokenwire cluster ready"):
-            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
-            assert line, f"cluster exited early: {lines}"
-            lines.append(line)
+        lines = await _until_ready(proc.stdout)
         [said] = [x for x in lines if "Valkey cluster of 3 masters" in x]
         node_ports = [int(p) for p in said.rsplit("ports", 1)[1].replace(",", " ").split()]
         assert len(node_ports) == 3

@@ -36,6 +36,7 @@ class EngineConfig:
     max_waiting: int
     prefix_reuse: bool
     fair: bool = True  # token-weighted fair queueing across users (False: FIFO)
+    prefill_tokens_decoding: int | None = None  # the prefill budget while anything decodes (None: the same)
 
 
 def engine_for(loaded: LoadedModel, **overrides: Any) -> Engine:
@@ -81,6 +82,7 @@ def default_config(
     kv_budget_mb: int | None = None,
     pools: tuple[tuple[int, int], ...] | None = None,
     prefill_tokens: int | None = None,
+    prefill_tokens_decoding: int | None = None,
     max_waiting: int = 256,
     prefix_reuse: bool = True,
     fair: bool = True,
@@ -99,12 +101,15 @@ def default_config(
                 kv_budget_mb = cpu_kv_budget_mb()
         per_token = kv_bytes_per_token(loaded.model, loaded.dtype)
         pools = default_pools(per_token, ctx, running, kv_budget_mb << 20)
+    budget = prefill_tokens or (2048 if cuda else 256)
     return EngineConfig(
         max_running=running,
         max_context=max(length for _, length in pools),
         pools=pools,
-        # CPU: prefill costs ~1.3 ms a token on SmolLM2 here, so 256 bounds a step near a third of a second.
-        prefill_tokens=prefill_tokens or (2048 if cuda else 256),
+        # CPU: prefill costs ~0.5-1.3 ms a token on SmolLM2 here, so 256 bounds a step near a third of a
+        # second; while others stream, 128 halves the longest gap a long prompt puts between their tokens.
+        prefill_tokens=budget,
+        prefill_tokens_decoding=prefill_tokens_decoding or (None if cuda else min(budget, 128)),
         max_waiting=max_waiting,
         prefix_reuse=prefix_reuse,
         fair=fair,
@@ -139,6 +144,7 @@ class BatchingEngine(ThreadedEngine):
             pools=c.pools,
             max_running=c.max_running,
             prefill_tokens=c.prefill_tokens,
+            prefill_tokens_decoding=c.prefill_tokens_decoding,
             max_waiting=c.max_waiting,
             eos_ids=self.m.eos_ids,
             prefix_reuse=c.prefix_reuse,

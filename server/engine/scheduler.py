@@ -97,6 +97,10 @@ class SchedulerConfig:
     pools: tuple[tuple[int, int], ...]  # KV slot pools: (slots, tokens per slot), by increasing length
     max_running: int = 32
     prefill_tokens: int = 256  # prompt tokens fed per step, all chunks together (bounds a step's time)
+    # The same budget while any running sequence decodes (None: prefill_tokens). A smaller one here bounds
+    # the gap between two tokens of a streaming user when a long prompt arrives; the larger one above
+    # still fills an idle engine fast.
+    prefill_tokens_decoding: int | None = None
     max_waiting: int = 256  # new requests waiting beyond this are refused (QueueFull)
     eos_ids: frozenset[int] = frozenset()
     prefix_reuse: bool = True
@@ -207,6 +211,11 @@ class Scheduler:
         """Choose this step's work: every running sequence's next token or chunk, then admissions."""
         work: list[Work] = []
         budget = self.cfg.prefill_tokens
+        busy = self.cfg.prefill_tokens_decoding
+        if busy is not None and any(
+            seq.state is State.RUNNING and len(seq.tokens) - seq.kv_len == 1 for seq in self.running
+        ):
+            budget = min(budget, busy)
         for seq in list(self.running):
             if seq.state is not State.RUNNING:
                 continue  # preempted by an older sequence earlier in this loop

@@ -72,6 +72,7 @@ def make(
     *,
     max_running: int = 8,
     prefill_tokens: int = 32,
+    prefill_tokens_decoding: int | None = None,
     max_waiting: int = 64,
     reuse: bool = True,
     clock: list[float] | None = None,
@@ -80,6 +81,7 @@ def make(
         pools=tuple(pools),
         max_running=max_running,
         prefill_tokens=prefill_tokens,
+        prefill_tokens_decoding=prefill_tokens_decoding,
         max_waiting=max_waiting,
         eos_ids=frozenset({EOS}),
         prefix_reuse=reuse,
@@ -192,6 +194,30 @@ def test_chunked_prefill_stays_within_budget_and_never_stalls_decoding() -> None
     assert chunks == [16] * 6 + [4]
     outs = run(s, r)
     check_stream(first + outs["long"], reference(prompt(100, 1), 5))
+
+
+def test_a_smaller_prefill_budget_applies_only_while_someone_decodes() -> None:
+    s, r = make(((4, 512),), prefill_tokens=40, prefill_tokens_decoding=10)
+    s.add("long", prompt(100), greedy(20))
+    first = s.schedule()  # nobody decodes yet: the idle budget
+    assert [(w.seq.key, w.n) for w in first.work] == [("long", 40)]
+    s.postprocess(first, r.step(first))
+    while s.by_key["long"].kv_len < 100:
+        step(s, r)
+    assert s.by_key["long"].kv_len == 100  # 40 + 40 + 20: still alone, so still the idle budget
+    assert len(r.steps) == 3
+    s.add("next", prompt(50, 1), greedy(3))
+    chunks = []
+    got: list[StepOutput] = []
+    while s.by_key["next"].kv_len < 50:
+        batch = s.schedule()
+        assert [w.n for w in batch.work if w.seq.key == "long"] == [1]  # long decodes every step
+        chunks.append(sum(w.n for w in batch.work if w.seq.key == "next"))
+        got += [o for o in s.postprocess(batch, r.step(batch)) if o.key == "next"]
+    assert chunks == [10] * 5  # the decoding budget while long streams
+    outs = run(s, r)
+    check_stream(got + outs["next"], reference(prompt(50, 1), 3))
+    check_stream(outs["long"], reference(prompt(100), 20)[6:], start=6)  # 1 at prefill + 5 above
 
 
 def test_a_request_arriving_while_31_decode_gets_its_first_token_in_the_next_step() -> None:

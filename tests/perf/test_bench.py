@@ -95,3 +95,25 @@ def test_the_135m_preset_is_smollm2_shaped() -> None:
     assert (s.n_layers, s.hidden, s.n_heads, s.n_kv_heads, s.vocab) == (30, 576, 9, 3, 49152)
     assert llama.unsupported_reason(m.model) is None
     assert set(PRESETS) >= {"1b", "135m"}
+
+
+def _dtype_run(engine_tok_s: float, over: float) -> dict[str, Any]:
+    return {
+        "padded_loop": {"tok_s": 100.0},
+        "engine": {"tok_s": engine_tok_s, "step_over_floor": over, "median_step_ms": 60.0},
+        "floor": {"ms": 30.0, "rows": 32, "by_rows_ms": {"8": 12.0, "32": 30.0}},
+        "profile": {"rows": 32, "ms": {"linear": 35.0, "attention": 20.0, "total": 70.0}},
+    }
+
+
+def test_benchmarks_md_says_which_dtype_target_missed_and_why() -> None:
+    from server.load.benchmarks import _dtype_rows
+
+    text = "\n".join(
+        _dtype_rows({"dtypes": {"float32": _dtype_run(210.0, 1.4), "bfloat16": _dtype_run(150.0, 2.3)}})
+    )
+    assert "| float32 | 100.0 | 210.0 | 2.10x |" in text and "| yes |" in text
+    why = text.split("missed, and why")[1]
+    assert "float32" not in why  # met both targets: nothing to explain
+    assert "bfloat16, step / floor 2.30x (missed)" in why and "1.83x the floor" in why  # (35 + 20) / 30
+    assert "bfloat16, engine / padded_loop 1.50x (missed)" in why and "40% of the 30.0 ms" in why

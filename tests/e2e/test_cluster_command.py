@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -22,18 +23,15 @@ def _free_consecutive_ports(n: int) -> int:
             base = s.getsockname()[1]
         if base + n >= 65535:
             continue
-        try:
-            socks = []
-            for i in range(n):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + i))
-                socks.append(t)
-            for t in socks:
-                t.close()
+        # The stack closes every socket, the one whose bind failed included (a leaked socket is a
+        # ResourceWarning, which this suite treats as an error: it failed a fresh-clone run once).
+        with contextlib.ExitStack() as stack:
+            try:
+                for i in range(n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", base + i))
+            except OSError:
+                continue
             return base
-        except OSError:
-            for t in socks:
-                t.close()
     raise RuntimeError("no free consecutive ports")
 
 

@@ -18,6 +18,7 @@ from protocol import Params
 from server.client import Client, collect
 from tests.e2e.test_cluster import (  # noqa: F401 (fixtures)
     Cluster,
+    _busiest,
     _writers,
     backend,
     cluster,
@@ -90,8 +91,10 @@ async def test_background_responses_survive_kill9_and_resume_on_another_gateway(
     cluster_redis: aioredis.Redis,  # noqa: F811
     peaky_model_dir: Path,
 ) -> None:
-    w0 = cluster.start_worker(peaky_model_dir, "--name", "w0")
-    cluster.start_worker(peaky_model_dir, "--name", "w1")
+    workers = {
+        "w0": cluster.start_worker(peaky_model_dir, "--name", "w0"),
+        "w1": cluster.start_worker(peaky_model_dir, "--name", "w1"),
+    }
     url0, url1 = cluster.start_gateway(), cluster.start_gateway()
     g0 = AsyncOpenAI(base_url=_http(url0), api_key=API_KEY, max_retries=0)
     g1 = AsyncOpenAI(base_url=_http(url1), api_key=API_KEY, max_retries=0)
@@ -110,8 +113,11 @@ async def test_background_responses_survive_kill9_and_resume_on_another_gateway(
         )
         ids = [r.id for r in created]
         heads = await asyncio.wait_for(asyncio.gather(*(_head(g0, rid) for rid in ids)), 90)
-        assert w0.proc is not None
-        w0.proc.send_signal(signal.SIGKILL)
+        # Kill a worker that is running responses now (see _busiest).
+        victim = await _busiest(cluster_redis, cluster, list(workers))
+        proc = workers[victim].proc
+        assert proc is not None
+        proc.send_signal(signal.SIGKILL)
         rests = await asyncio.wait_for(
             asyncio.gather(*(_rest(g1, rid, seq) for rid, (_, seq) in zip(ids, heads, strict=True))), 120
         )
@@ -127,7 +133,8 @@ async def test_background_responses_survive_kill9_and_resume_on_another_gateway(
         request_ids = [rid.removeprefix("resp_") for rid in ids]
         writers = await _writers(cluster_redis, cluster.keys, dict.fromkeys(request_ids, owner), request_ids)
         moved = sum(1 for ws in writers if any(a != b for a, b in itertools.pairwise(ws)))
-        assert moved > 0  # some responses really were on the killed worker and finished elsewhere
+        # Some responses really were on the killed worker and finished elsewhere.
+        assert moved > 0 and all(ws[0] == victim for ws in writers if len(set(ws)) > 1), (victim, writers)
     finally:
         await g0.close()
         await g1.close()

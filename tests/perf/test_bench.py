@@ -13,6 +13,7 @@ from server.bench import main as bench_main
 from server.bench import paths as bench_paths
 from server.bench.models import PRESETS, random_model
 from server.engine import llama
+from server.load.benchmarks import _dtype_rows
 
 TINY = dict(
     hidden_size=64,
@@ -107,8 +108,6 @@ def _dtype_run(engine_tok_s: float, over: float) -> dict[str, Any]:
 
 
 def test_benchmarks_md_says_which_dtype_target_missed_and_why() -> None:
-    from server.load.benchmarks import _dtype_rows
-
     text = "\n".join(
         _dtype_rows({"dtypes": {"float32": _dtype_run(210.0, 1.4), "bfloat16": _dtype_run(150.0, 2.3)}})
     )

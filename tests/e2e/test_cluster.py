@@ -193,15 +193,19 @@ async def _writers(r: Any, keys: Keys, owner_of: dict[str, str], ids: list[str])
     return out
 
 
-async def _busiest(r: Any, c: Cluster, names: list[str]) -> str:
-    """The worker with the most requests running now (its running sets in every partition): the one a
-    kill test kills. Always killing the first worker failed a fresh-clone run once: the shared queue hands
+async def _kill_busiest(r: Any, c: Cluster, workers: dict[str, ServeProcess]) -> str:
+    """SIGKILL the worker with the most requests running now (its running sets in every partition) and
+    return its name. Always killing the first worker failed a fresh-clone run once: the shared queue hands
     requests to whichever worker reads first (18 to 2 in one run), and the first may hold none, or have
     finished its own while the streams were started on a busy machine."""
     ks = c.keys
-    running = {w: sum([await r.scard(ks.worker_requests(w, p)) for p in range(ks.partitions)]) for w in names}
-    victim = max(names, key=lambda w: running[w])
+    parts = range(ks.partitions)
+    running = {w: sum([await r.scard(ks.worker_requests(w, p)) for p in parts]) for w in workers}
+    victim = max(workers, key=lambda w: running[w])
     assert running[victim] > 0, f"every response ended before the kill (MAX_TOKENS too small?): {running}"
+    proc = workers[victim].proc
+    assert proc is not None
+    proc.send_signal(signal.SIGKILL)
     return victim
 
 
@@ -228,10 +232,7 @@ async def test_kill9_worker_mid_stream(cluster: Cluster, cluster_redis: Any, pea
     }
     url = cluster.start_gateway()
     streams, tokens, tasks = await _launch([url], "kw")
-    victim = await _busiest(cluster_redis, cluster, list(workers))
-    proc = workers[victim].proc
-    assert proc is not None
-    proc.send_signal(signal.SIGKILL)
+    victim = await _kill_busiest(cluster_redis, cluster, workers)
     await asyncio.wait_for(asyncio.gather(*tasks), 90)
 
     assert all(s.done is not None for s in streams)

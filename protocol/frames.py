@@ -485,6 +485,22 @@ class Accepted:
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """A content-mode turn held until the session's previous turn ends (SPEC §4.2): the server has it,
+    and its ``accepted`` (or an error) follows. ``after`` is the turn it waits for, when known."""
+
+    id: str
+    after: str | None = None
+    type: Literal["waiting"] = "waiting"
+
+    def to_wire(self) -> Wire:
+        d: Wire = {"type": "waiting", "id": self.id}
+        if self.after is not None:
+            d["after"] = self.after
+        return d
+
+
+@dataclass(frozen=True, slots=True)
 class Delta:
     id: str
     offset: int
@@ -556,7 +572,7 @@ class Pong:
         return d
 
 
-ServerFrame: TypeAlias = Welcome | Accepted | Delta | Done | Error | Pong
+ServerFrame: TypeAlias = Welcome | Accepted | Waiting | Delta | Done | Error | Pong
 
 
 def _field(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], t: str) -> Any:
@@ -621,6 +637,10 @@ _SERVER_PARSERS: dict[str, Callable[[Mapping[str, Any]], ServerFrame]] = {
         epoch=_field(r, "epoch", int, "accepted"),
         state=_field(r, "state", str, "accepted"),
         model=_field(r, "model", str, "accepted") if r.get("model") is not None else None,
+    ),
+    "waiting": lambda r: Waiting(
+        id=_req_id(r),
+        after=_check_id(r.get("after"), "waiting.after") if r.get("after") is not None else None,
     ),
     "delta": lambda r: Delta(
         id=_req_id(r),

@@ -43,6 +43,19 @@ FALLBACKS = Counter(
     ["model", "to"],
 )
 STREAMS = Gauge("tokenwire_streams_attached", "request streams attached to connections on this gateway")
+ADMISSION = Counter(
+    "tokenwire_admission_total",
+    "chats and resumes at the admission step (every door), by kind and result (admitted or error code)",
+    ["kind", "result"],
+)
+WAITING_TURNS = Gauge(
+    "tokenwire_waiting_turns", "content-mode turns held on this gateway until their previous turn ends"
+)
+HTTP_REFUSED = Counter(
+    "tokenwire_http_connections_refused_total",
+    "HTTP connections refused at the door, by reason (gateway or peer cap)",
+    ["reason"],
+)
 
 # ---- worker
 RUNNING = Gauge("tokenwire_requests_running", "requests running on this worker's engine")

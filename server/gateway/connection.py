@@ -1,7 +1,9 @@
-"""One client connection: protocol state, its session, and the requests it is attached to.
+"""The WebSocket protocol door (``/v1/ws``): one client connection, its session and its streams.
 
 The sans-I/O ``ServerConnection`` decides what frames mean; this class does the asynchronous work each
-frame asks for (store calls, log subscriptions) and writes out what the protocol queued.
+frame asks for and writes out what the protocol queued. Every ``chat``, ``resume`` and ``hello.resume``
+point goes through the core's admission step first (admission.py), before a task, a subscription or a
+store write exists for it; a refusal is answered at once.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from typing import TYPE_CHECKING
 
 import structlog
 from websockets.asyncio.server import ServerConnection as WebSocket
@@ -33,30 +34,25 @@ from protocol import (
     Resume,
     ServerFrame,
     Usage,
+    Waiting,
     Welcome,
 )
 from protocol.connection import ServerConnection
 from server import metrics
+from server.gateway.admission import Ask, Grant, Kind
 from server.gateway.auth import authenticate_user
-from server.gateway.limits import TokenBucket, limited
-from server.gateway.submit import ChatRequest, submit_chat
+from server.gateway.core import GatewayCore
+from server.gateway.streams import batches
+from server.gateway.submit import ChatRequest
 from server.store.logs import LogEntry
 from server.store.requests import FINAL_STATES
-
-if TYPE_CHECKING:
-    from server.gateway.server import Gateway
 
 log = structlog.get_logger(__name__)
 
 
-# Deltas waiting in a subscription are merged into one frame up to this many tokens: a client that fell
-# behind catches up in few frames instead of one per token.
-MAX_TOKENS_PER_DELTA = 512
-
-
 class Connection:
-    def __init__(self, gw: Gateway, ws: WebSocket) -> None:
-        self.gw = gw
+    def __init__(self, core: GatewayCore, ws: WebSocket) -> None:
+        self.core = core
         self.ws = ws
         assert ws.subprotocol is not None  # the handshake refuses connections without one
         self.proto = ServerConnection(
@@ -66,19 +62,12 @@ class Connection:
         self.session = ""
         self.owner = ""
         self.weight = 1.0  # fair-share weight from the JWT tier claim
+        self.limits = core.admission.connection()
         self._attached: dict[str, asyncio.Task[None]] = {}
         self._waiting: set[asyncio.Task[None]] = set()  # content turns waiting for the previous turn
         self._turn_chain: asyncio.Task[None] | None = None  # the last of them
         self._send_lock = asyncio.Lock()
-        rate = gw.settings.chat_rate_per_connection
-        self._bucket = TokenBucket(rate=rate, burst=2 * rate)
-        # Resumes replay whole logs: limited like chats, with a burst that lets one reconnect resume
-        # every stream it may hold (a hello.resume of max_streams points).
-        rrate = gw.settings.resume_rate_per_connection
-        self._resume_bucket = TokenBucket(
-            rate=rrate, burst=max(2 * rrate, float(gw.settings.max_streams_per_connection))
-        )
-        self.log = log.bind(server=gw.name)
+        self.log = log.bind(server=core.name)
 
     async def run(self) -> None:
         try:
@@ -93,6 +82,8 @@ class Connection:
         except ConnectionClosed:
             pass
         finally:
+            # A waiting turn's task releases its grant as it is cancelled; a client that reconnects sends
+            # that chat again (it was never accepted).
             for task in [*self._attached.values(), *self._waiting]:
                 task.cancel()
             # A disconnect never cancels a request: it runs on and its log fills for a later resume.
@@ -105,7 +96,7 @@ class Connection:
                     # A client that stops reading fills the socket buffers and blocks this send; waiting
                     # forever would pile its deltas up in memory. Close it instead: its requests run on
                     # and it can resume them after reconnecting.
-                    await asyncio.wait_for(self.ws.send(data), self.gw.settings.slow_reader_timeout_s)
+                    await asyncio.wait_for(self.ws.send(data), self.core.settings.slow_reader_timeout_s)
                 except TimeoutError:
                     self.log.warning("connection.slow_reader_closed")
                     self.ws.transport.abort()
@@ -115,30 +106,12 @@ class Connection:
         self.proto.send(frame)
         await self._flush()
 
-    async def _handle(self, frame: ClientFrame, *, waited: bool = False) -> None:
+    async def _handle(self, frame: ClientFrame) -> None:
         try:
             if isinstance(frame, Hello):
                 await self._hello(frame)
             elif isinstance(frame, Chat):
-                before = self._turn_chain
-                if (
-                    not waited
-                    and frame.content is not None
-                    and (
-                        (before is not None and not before.done()) or (await self._previous_turn(frame.id))[1]
-                    )
-                ):
-                    # Its session's previous turn is still running: this one waits for it (content mode,
-                    # SPEC.md) without holding up this connection's other frames; turns sent on this
-                    # connection are accepted in the order they were sent.
-                    task = asyncio.create_task(
-                        self._handle_after_wait(frame, before), name=f"turn-{frame.id}"
-                    )
-                    self._waiting.add(task)
-                    task.add_done_callback(self._waiting.discard)
-                    self._turn_chain = task
-                    return
-                await self._chat(frame)
+                await self._chat_frame(frame)
             elif isinstance(frame, Resume):
                 await self._resume(frame.id, frame.offset, frame.epoch)
             elif isinstance(frame, Cancel):
@@ -148,28 +121,79 @@ class Connection:
         except ProtocolError as exc:
             self.proto.send_error(exc)
         except Exception as exc:  # a bug or a store outage must not take the server down
-            self.log.exception("connection.frame_failed", frame=frame.type)
-            err = ProtocolError(
-                ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}", id=getattr(frame, "id", None)
-            )
-            if isinstance(frame, Hello) and not self.proto.welcomed:
-                # Without a welcome the connection is of no use: say so and let the client reconnect.
-                self.proto.fail(err, CloseCode.INTERNAL_ERROR)
-            else:
-                self.proto.send_error(err)
+            self._internal(frame, exc)
 
-    async def _handle_after_wait(self, chat: Chat, before: asyncio.Task[None] | None) -> None:
-        if before is not None:
-            await asyncio.wait({before})  # the turn sent before this one on this connection goes first
-        await self._handle(chat, waited=True)
-        await self._flush()
+    def _internal(self, frame: ClientFrame, exc: Exception) -> None:
+        self.log.error("connection.frame_failed", frame=frame.type, exc_info=exc)
+        err = ProtocolError(
+            ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}", id=getattr(frame, "id", None)
+        )
+        if isinstance(frame, Hello) and not self.proto.welcomed:
+            # Without a welcome the connection is of no use: say so and let the client reconnect.
+            self.proto.fail(err, CloseCode.INTERNAL_ERROR)
+        else:
+            self.proto.send_error(err)
+
+    def _ask(self, kind: Kind, id: str, held_bytes: int = 0) -> Ask:
+        return Ask(
+            kind,
+            self.owner,
+            id,
+            conn=self.limits,
+            session=self.session,
+            weight=self.weight,
+            held_bytes=held_bytes,
+        )
+
+    async def _chat_frame(self, chat: Chat) -> None:
+        """Admit a chat, then submit it now, or (a content-mode turn whose previous turn is unfinished)
+        answer ``waiting`` now and submit it once that turn ends (SPEC §4.2)."""
+        before = self._turn_chain
+        after: list[str] = []
+
+        async def waits() -> bool:
+            if chat.content is None:
+                return False
+            if before is not None and not before.done():
+                return True  # a turn sent earlier on this connection is still waiting: this one queues
+            prev, pending = await self._previous_turn(chat.id)
+            if pending:
+                after.append(prev)
+            return pending
+
+        held = len(chat.content.encode()) if chat.content is not None else 0
+        grant = await self.core.admission.admit(self._ask("chat", chat.id, held_bytes=held), waits=waits)
+        if not grant.waiting:
+            await self._chat(chat, grant)
+            return
+        # Its session's previous turn is still running: this one waits for it without holding up this
+        # connection's other frames; turns sent on this connection are accepted in the order sent.
+        self.proto.send(Waiting(id=chat.id, after=after[0] if after else None))
+        task = asyncio.create_task(self._chat_after_wait(chat, grant, before), name=f"turn-{chat.id}")
+        self._waiting.add(task)
+        task.add_done_callback(self._waiting.discard)
+        self._turn_chain = task
+
+    async def _chat_after_wait(self, chat: Chat, grant: Grant, before: asyncio.Task[None] | None) -> None:
+        try:
+            if before is not None:
+                await asyncio.wait({before})  # the turn sent before this one on this connection goes first
+            await self._chat(chat, grant)
+        except ProtocolError as exc:
+            self.proto.send_error(exc)
+        except Exception as exc:
+            self._internal(chat, exc)
+        finally:
+            grant.end_wait()
+        with contextlib.suppress(ConnectionClosed):
+            await self._flush()
 
     async def _previous_turn(self, id: str) -> tuple[str, bool]:
         """The session's latest content-mode turn ("" if none) and whether it is still unfinished."""
-        prev = await self.gw.sessions.last_turn(self.session, self.owner)
+        prev = await self.core.sessions.last_turn(self.session, self.owner)
         if not prev or prev == id:
             return prev, False
-        info = await self.gw.store.get(self.owner, prev)
+        info = await self.core.store.get(self.owner, prev)
         return prev, info is not None and info.state not in FINAL_STATES
 
     async def _wait_previous_turn(self, id: str) -> str:
@@ -185,11 +209,11 @@ class Connection:
 
     async def _hello(self, hello: Hello) -> None:
         try:
-            self.user, self.weight = authenticate_user(hello.token, self.gw.settings.auth_secret)
+            self.user, self.weight = authenticate_user(hello.token, self.core.settings.auth_secret)
         except ProtocolError as exc:
             self.proto.fail(exc, CloseCode.POLICY_VIOLATION)
             return
-        sessions = self.gw.sessions
+        sessions = self.core.sessions
         if hello.session_token:
             session = sessions.verify(hello.session_token, self.user)
             if session is None:
@@ -208,9 +232,9 @@ class Connection:
             Welcome(
                 session=session,
                 session_token=sessions.token(session, self.owner),
-                server=self.gw.name,
-                limits=self.gw.limits(),
-                models=(await self.gw.models.served()).names,
+                server=self.core.name,
+                limits=self.core.limits(),
+                models=(await self.core.models.served()).names,
             )
         )
         for point in hello.resume:
@@ -219,158 +243,124 @@ class Connection:
             except ProtocolError as exc:
                 self.proto.send_error(exc)
 
-    async def _check_limits(self, chat: Chat) -> None:
-        st = self.gw.settings
-        wait = self._bucket.take()
-        if wait:
-            raise limited(chat.id, "too many chats on this connection", wait)
-        self._check_room(chat.id)
-        wait = await self.gw.store.rate(self.owner, "chat", st.chat_rate_per_user)
-        if wait:
-            raise limited(chat.id, "too many chats for this user", wait)
-
-    def _check_room(self, id: str) -> None:
-        """Refuse a new stream past max_streams, however it would attach (chat, resume, hello.resume, a
-        retry); a new chat/resume of an id already attached here replaces that stream (§8.9): no room
-        needed."""
-        cap = self.gw.settings.max_streams_per_connection
-        if len(self._attached) >= cap and id not in self._attached:
-            raise limited(id, f"at most {cap} streams per connection", 1000)
-
-    async def _check_resume_limits(self, id: str) -> None:
-        wait = self._resume_bucket.take()
-        if wait:
-            raise limited(id, "too many resumes on this connection", wait)
-        self._check_room(id)
-        wait = await self.gw.store.rate(self.owner, "resume", self.gw.settings.resume_rate_per_user)
-        if wait:
-            raise limited(id, "too many resumes for this user", wait)
-
-    async def _chat(self, chat: Chat, *, limits_checked: bool = False) -> None:
-        if not limits_checked:
-            await self._check_limits(chat)
-        user_message = None
-        turn_after: str | None = None
-        if chat.content is not None:
-            turn_after = await self._wait_previous_turn(chat.id)
-            user_message = {"role": "user", "content": chat.content}
-            messages = [*await self.gw.sessions.history(self.session, self.owner), user_message]
-        else:
-            messages = [m.to_wire() for m in chat.messages or ()]
-        sub = await submit_chat(
-            self.gw,
-            ChatRequest(
-                owner=self.owner,
-                chat=chat,
-                messages=messages,
-                fingerprint=hashlib.sha256(chat.canonical().encode()).hexdigest(),
-                weight=self.weight,
-                session=self.session,
-                user_message=user_message,
-                turn_after=turn_after,
-            ),
-        )
+    async def _chat(self, chat: Chat, grant: Grant) -> None:
+        """Submit an admitted chat and attach its stream; the grant goes to the stream, or is released."""
+        try:
+            while True:
+                user_message = None
+                turn_after: str | None = None
+                if chat.content is not None:
+                    turn_after = await self._wait_previous_turn(chat.id)
+                    grant.end_wait()  # its content now goes to the store
+                    user_message = {"role": "user", "content": chat.content}
+                    messages = [*await self.core.sessions.history(self.session, self.owner), user_message]
+                else:
+                    messages = [m.to_wire() for m in chat.messages or ()]
+                sub = await self.core.submitter.submit(
+                    ChatRequest(
+                        owner=self.owner,
+                        chat=chat,
+                        messages=messages,
+                        fingerprint=hashlib.sha256(chat.canonical().encode()).hexdigest(),
+                        session=self.session,
+                        user_message=user_message,
+                        turn_after=turn_after,
+                    ),
+                    grant,
+                )
+                # turn_moved: another turn of this session was accepted meanwhile (another connection):
+                # wait for that one too.
+                if sub.result.outcome != "turn_moved":
+                    break
+        except BaseException:
+            grant.release()
+            raise
         res = sub.result
-        if res.outcome == "turn_moved":
-            # Another turn of this session was accepted meanwhile (another connection): wait for it too.
-            return await self._chat(chat, limits_checked=True)
         self.log.info(
             "request.accepted", request_id=chat.id, outcome=res.outcome, state=res.state, model=sub.model
         )
         self.proto.send(Accepted(id=chat.id, epoch=res.epoch, state=res.state, model=sub.model))
-        self._attach(chat.id, 0, model=sub.model if res.outcome == "new" else None)
+        self._attach(chat.id, 0, grant, model=sub.model if res.outcome == "new" else None)
 
     async def _resume(self, id: str, offset: int, epoch: int | None) -> None:
         metrics.RESUMES.inc()
-        await self._check_resume_limits(id)
-        info = await self.gw.store.get(self.owner, id)
-        if info is None:
-            raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=id)
-        if epoch is not None and epoch != info.epoch and offset > 0:
-            # The log the client's text came from is gone; a stream from this offset would splice two
-            # different generations. The client must start over (from offset 0 of the new epoch).
-            raise ProtocolError(
-                ErrorCode.RESUME_FAILED,
-                f"epoch: the request restarted (epoch {info.epoch}, yours {epoch}); resume from offset 0",
-                id=id,
-            )
-        if offset > info.completion_tokens:
-            raise ProtocolError(
-                ErrorCode.BAD_FRAME,
-                f"offset: {offset} is past the {info.completion_tokens} tokens generated so far",
-                id=id,
-            )
-        # Back within the detach timeout: postpone it now, not at the next periodic touch.
-        await self.gw.store.touch([self.gw.store.keys.request(self.owner, id)])
+        grant = await self.core.admission.admit(self._ask("resume", id))
+        try:
+            info = await self.core.store.get(self.owner, id)
+            if info is None:
+                raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=id)
+            if epoch is not None and epoch != info.epoch and offset > 0:
+                # The log the client's text came from is gone; a stream from this offset would splice two
+                # different generations. The client must start over (from offset 0 of the new epoch).
+                raise ProtocolError(
+                    ErrorCode.RESUME_FAILED,
+                    f"epoch: the request restarted (epoch {info.epoch}, yours {epoch}); resume from offset 0",
+                    id=id,
+                )
+            if offset > info.completion_tokens:
+                raise ProtocolError(
+                    ErrorCode.BAD_FRAME,
+                    f"offset: {offset} is past the {info.completion_tokens} tokens generated so far",
+                    id=id,
+                )
+        except BaseException:
+            grant.release()
+            raise
         self.proto.send(Accepted(id=id, epoch=info.epoch, state=info.state, model=info.model or None))
-        self._attach(id, offset)
+        self._attach(id, offset, grant)
 
     async def _cancel(self, frame: Cancel) -> None:
-        before = await self.gw.store.cancel(self.owner, frame.id)
+        before = await self.core.store.cancel(self.owner, frame.id)
         if before is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=frame.id)
         self.log.info("request.cancel", request_id=frame.id, state_before=before)
 
-    def _attach(self, id: str, offset: int, *, model: str | None = None) -> None:
-        """Stream request ``id`` from ``offset``; ``model``: a new request of that model, whose time to
-        first token feeds the model's degradation signal."""
+    def _attach(self, id: str, offset: int, grant: Grant, *, model: str | None = None) -> None:
+        """Stream request ``id`` from ``offset`` under ``grant``; ``model``: a new request of that model,
+        whose time to first token feeds the model's degradation signal."""
         old = self._attached.pop(id, None)
         if old is not None:
             old.cancel()
         started = (time.monotonic(), model) if model is not None else None
-        self._attached[id] = asyncio.create_task(self._stream(id, offset, started), name=f"stream-{id}")
+        self._attached[id] = asyncio.create_task(
+            self._stream(id, offset, grant, started), name=f"stream-{id}"
+        )
 
-    async def _stream(self, id: str, offset: int, started: tuple[float, str] | None = None) -> None:
+    async def _stream(
+        self, id: str, offset: int, grant: Grant, started: tuple[float, str] | None = None
+    ) -> None:
         """Forward the log of request ``id`` from ``offset``: deltas, then done (or an error)."""
-        key = self.gw.store.keys.log(self.owner, id)
-        req_key = self.gw.store.keys.request(self.owner, id)
         me = asyncio.current_task()
-        sub = self.gw.reader.subscribe(key, offset)
-        self.gw.attach(req_key)
         expected = offset
         try:
-            while True:
-                entry = await sub.queue.get()
-                if self._attached.get(id) is not me:
-                    return  # superseded by a newer chat/resume of this id on this connection
-                batch = [entry]
-                while (
-                    entry.finish is None
-                    and not sub.queue.empty()
-                    and expected + sum(e.n for e in batch) < (expected + MAX_TOKENS_PER_DELTA)
-                ):
-                    entry = sub.queue.get_nowait()
-                    batch.append(entry)
-                if batch[0].offset != expected:
-                    raise ProtocolError(
-                        ErrorCode.RESUME_FAILED,
-                        f"offset {expected} is not at a delta boundary of this request's log",
-                        id=id,
-                    )
-                deltas = [e for e in batch if e.finish is None]
-                if deltas:
-                    if started is not None:
-                        self.gw.observe_ttft(time.monotonic() - started[0], started[1])  # degradation
-                        started = None
-                    n = sum(e.n for e in deltas)
-                    await self._send(Delta(id=id, offset=expected, n=n, text="".join(e.text for e in deltas)))
-                    expected += n
-                end = batch[-1]
-                if end.finish is not None:
+            async with self.core.streams.follow(grant, self.owner, id, offset) as sub:
+                async for batch in batches(sub, id, offset):
                     if self._attached.get(id) is not me:
-                        # Replaced while the delta went out (a cancel that arrived as the send completed
-                        # is not seen there): the old stream must end without a done (SPEC §8.9).
+                        return  # superseded by a newer chat/resume of this id on this connection
+                    deltas = [e for e in batch if e.finish is None]
+                    if deltas:
+                        if started is not None:
+                            self.core.degradation.observe_ttft(time.monotonic() - started[0], started[1])
+                            started = None
+                        n = sum(e.n for e in deltas)
+                        text = "".join(e.text for e in deltas)
+                        await self._send(Delta(id=id, offset=expected, n=n, text=text))
+                        expected += n
+                    end = batch[-1]
+                    if end.finish is not None:
+                        if self._attached.get(id) is not me:
+                            # Replaced while the delta went out (a cancel that arrived as the send
+                            # completed is not seen there): the old stream ends without a done (§8.9).
+                            return
+                        await self._finish(id, end)
                         return
-                    await self._finish(id, end)
-                    return
         except ProtocolError as exc:
             self.proto.send_error(exc)
             await self._flush()
         except ConnectionClosed:
             pass
         finally:
-            self.gw.detach(req_key)
-            self.gw.reader.unsubscribe(sub)
+            grant.release()  # follow() released it too, unless the subscription never started
             if self._attached.get(id) is asyncio.current_task():
                 del self._attached[id]
 
@@ -385,16 +375,3 @@ class Connection:
                 usage=Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.offset),
             )
         )
-
-
-async def handle(gw: Gateway, ws: WebSocket) -> None:
-    conn = Connection(gw, ws)
-    gw.connections.add(conn)
-    metrics.CONNECTIONS.inc()
-    try:
-        await conn.run()
-    finally:
-        metrics.CONNECTIONS.dec()
-        gw.connections.discard(conn)
-        with contextlib.suppress(Exception):
-            await ws.close()

@@ -5,6 +5,11 @@ One request at a time per connection (keep-alive, no pipelining in parallel). A 
 chunked transfer coding and flow control. When the client goes away the handler's task is cancelled,
 so a handler learns about a dropped connection as a ``CancelledError`` at its current ``await`` (and
 decides there whether the generation goes on). Bodies past ``max_body`` get 413 and the connection closes.
+
+Time limits: a kept-alive connection with no request for ``idle_timeout_s`` is closed; a request's
+headers and body must all arrive within ``request_timeout_s`` of its first byte (a body trickled a byte
+at a time gets 408, whatever the pace). Connections are counted by :class:`ConnectionCaps`: past its cap
+for the gateway (503) or for one peer address (429), a new connection is answered at once and closed.
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 import h11
 import structlog
+
+from server import metrics
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +50,43 @@ class HttpResponse:
     headers: list[tuple[str, str]] = field(default_factory=list)
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None  # SSE: chunks written as they come
+    # Called once the response is written or abandoned (however the connection ends): what the handler
+    # still holds for the stream (an admission grant) is given back there, even if the stream never ran.
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        callbacks, self.on_close = self.on_close, []
+        for cb in callbacks:
+            cb()
+
+
+class ConnectionCaps:
+    """HTTP connections open on this gateway, in all and per peer address."""
+
+    def __init__(self, max_total: int, max_per_peer: int) -> None:
+        self.max_total = max_total
+        self.max_per_peer = max_per_peer
+        self.total = 0
+        self.by_peer: dict[str, int] = {}
+
+    def take(self, peer: str) -> int:
+        """200 when a connection from ``peer`` may open (and is counted), else the status to refuse it
+        with: 503 (the gateway is full), 429 (this peer holds too many)."""
+        if self.total >= self.max_total:
+            return 503
+        if self.by_peer.get(peer, 0) >= self.max_per_peer:
+            return 429
+        self.total += 1
+        self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
+        return 200
+
+    def give_back(self, peer: str) -> None:
+        self.total -= 1
+        n = self.by_peer.get(peer, 0) - 1
+        if n > 0:
+            self.by_peer[peer] = n
+        else:
+            self.by_peer.pop(peer, None)
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
@@ -59,14 +104,20 @@ class HttpConnection(asyncio.Protocol):
         max_body: int,
         idle_timeout_s: float,
         write_timeout_s: float,
+        request_timeout_s: float = 30.0,
         registry: set[HttpConnection] | None = None,
+        caps: ConnectionCaps | None = None,
     ) -> None:
         self.handler = handler
         self.error = error
         self.max_body = max_body
         self.idle_timeout_s = idle_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.write_timeout_s = write_timeout_s
         self.registry = registry
+        self.caps = caps
+        self._peer: str | None = None  # counted in caps while set
+        self._refuse = 0  # the status this connection is refused with (caps), 0 if it is not
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
         self.transport: asyncio.Transport | None = None
         self._data = asyncio.Event()
@@ -81,6 +132,15 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        if self.caps is not None:
+            peer = transport.get_extra_info("peername")
+            host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            status = self.caps.take(host)
+            if status == 200:
+                self._peer = host
+            else:
+                self._refuse = status
+                metrics.HTTP_REFUSED.labels("gateway" if status == 503 else "peer").inc()
         if self.registry is not None:
             self.registry.add(self)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="http-connection")
@@ -103,6 +163,9 @@ class HttpConnection(asyncio.Protocol):
         self._closed = True
         self._writable.set()
         self._data.set()
+        if self._peer is not None and self.caps is not None:
+            self.caps.give_back(self._peer)
+            self._peer = None
         if self.registry is not None:
             self.registry.discard(self)
         if self._task is not None and not self._task.done():
@@ -134,6 +197,9 @@ class HttpConnection(asyncio.Protocol):
 
     async def _run(self) -> None:
         try:
+            if self._refuse:
+                await self._refuse_connection()
+                return
             while not self._closed:
                 try:
                     request = await self._read_request()
@@ -149,7 +215,10 @@ class HttpConnection(asyncio.Protocol):
                 except Exception:
                     log.exception("http.handler_failed", path=request.path)
                     response = self.error(500, "internal server error")
-                await self._respond(response)
+                try:
+                    await self._respond(response)
+                finally:
+                    response.close()
                 if self.h11.our_state is h11.MUST_CLOSE or self._closed:
                     return
                 self.h11.start_next_cycle()
@@ -161,8 +230,43 @@ class HttpConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
 
+    async def _refuse_connection(self) -> None:
+        """Answer a connection past the caps without reading its request, then close it."""
+        if self._refuse == 503:
+            resp = self.error(503, "this server holds too many HTTP connections; retry later")
+        else:
+            resp = self.error(429, "too many HTTP connections from your address; close some and retry")
+        resp.headers += [("Retry-After", "1"), ("Retry-After-Ms", "1000")]
+        await self._raw_response(resp)
+
+    async def _raw_response(self, resp: HttpResponse) -> None:
+        """Write a complete response and close, outside h11's state machine (which refuses a response
+        before a whole request has arrived), then linger so that the client reads it."""
+        if self.transport is None or self._closed:
+            return
+        reason = HTTPStatus(resp.status).phrase
+        head = [f"HTTP/1.1 {resp.status} {reason}", *(f"{k}: {v}" for k, v in resp.headers)]
+        head += [f"Content-Length: {len(resp.body)}", "Connection: close"]
+        self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + resp.body)
+        await self._linger()
+
     async def _read_request(self) -> HttpRequest | None:
-        event = await self._next_event(self.idle_timeout_s)
+        """The next request, or None when the connection closed or stayed idle for ``idle_timeout_s``.
+        Raises TimeoutError past ``request_timeout_s`` from the request's first byte."""
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                # h11 holds what arrived but was not parsed yet: nothing there means idle.
+                while not self._closed and self.h11.trailing_data == (b"", False):
+                    self._data.clear()
+                    await self._data.wait()
+        except TimeoutError:
+            return None  # an idle keep-alive connection: just close it
+        # The whole request, headers and body, within one deadline however slowly it trickles.
+        async with asyncio.timeout(self.request_timeout_s):
+            return await self._read_whole_request()
+
+    async def _read_whole_request(self) -> HttpRequest | None:
+        event = await self._next_event(self.request_timeout_s)
         if isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
             return None
         if not isinstance(event, h11.Request):
@@ -176,7 +280,7 @@ class HttpConnection(asyncio.Protocol):
         chunks: list[bytes] = []
         size = 0
         while True:
-            ev = await self._next_event(self.idle_timeout_s)
+            ev = await self._next_event(self.request_timeout_s)
             if isinstance(ev, h11.Data):
                 size += len(ev.data)
                 if size > self.max_body:
@@ -199,9 +303,11 @@ class HttpConnection(asyncio.Protocol):
         if isinstance(exc, _TooLarge):
             resp = self.error(413, f"request body larger than {self.max_body} bytes")
         elif isinstance(exc, TimeoutError):
-            if self.h11.their_state is h11.IDLE:
-                return  # an idle keep-alive connection: just close it
-            resp = self.error(408, "request not received in time")
+            resp = self.error(408, f"request not received within {self.request_timeout_s:g} s")
+            if self.h11.their_state is h11.IDLE:  # headers incomplete: h11 cannot answer yet
+                with contextlib.suppress(Exception):
+                    await self._raw_response(resp)
+                return
         else:
             resp = self.error(400, f"malformed HTTP request: {exc}"[:200])
         resp.headers.append(("Connection", "close"))

@@ -11,23 +11,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from server.gateway.http_api import (
+from server.gateway.admission import Grant
+from server.gateway.http_common import (
     SSE_HEADERS,
     ApiError,
     Caller,
+    HttpCore,
     bad,
+    check_fields,
     entry_error,
     json_response,
     sse,
+    text_content,
     usage,
 )
 from server.gateway.http_conn import HttpRequest, HttpResponse
 from server.store.logs import LogEntry
-
-if TYPE_CHECKING:
-    from server.gateway.http_api import HttpApi
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -63,39 +64,6 @@ SUPPORTED = {
 }
 
 
-def check_fields(body: dict[str, Any], supported: set[str], neutral: dict[str, Any]) -> None:
-    """A 400 for the first field tokenwire would otherwise have to ignore (null counts as absent)."""
-    for key, value in body.items():
-        if value is None or key in supported:
-            continue
-        ok = neutral.get(key)
-        if ok is not None and ok(value):
-            continue
-        what = "unsupported value for" if ok is not None else "unsupported parameter"
-        raise bad(
-            f"{what} {key[:60]!r}: tokenwire does not do this", param=key[:60], code="unsupported_parameter"
-        )
-
-
-def text_content(content: object, where: str, part_types: tuple[str, ...]) -> str:
-    """A message's content: a string, or an array of text parts (joined)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in part_types:
-                raise bad(
-                    f"{where}[{i}]: only text parts ({', '.join(part_types)}) are supported", param=where
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad(f"{where}[{i}].text: expected a string", param=where)
-            out.append(text)
-        return "".join(out)
-    raise bad(f"{where}: expected a string or an array of text parts", param=where)
-
-
 def chat_messages(messages: object) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise bad("messages: expected a non-empty array of {role, content}", param="messages")
@@ -118,7 +86,7 @@ def chat_messages(messages: object) -> list[dict[str, str]]:
 
 
 class ChatCompletions:
-    def __init__(self, api: HttpApi) -> None:
+    def __init__(self, api: HttpCore) -> None:
         self.api = api
 
     async def create(self, req: HttpRequest, caller: Caller, args: dict[str, str]) -> HttpResponse:
@@ -157,24 +125,31 @@ class ChatCompletions:
         params["model"] = model  # chooses the model as params.model does (unknown: 404)
         id, keyed = api.request_id(req)
         chat = api.to_chat(id, messages, params)
-        model = (await api.submit(caller, chat, kind="chat", extra={})).model  # after any fallback
-        cid = f"chatcmpl-{id}"
-        created = int(time.time())
-        if stream:
-            return HttpResponse(
-                200,
-                list(SSE_HEADERS),
-                stream=self._stream(caller, id, keyed, cid, created, model, include_usage),
-            )
-        return await self._wait(caller, id, keyed, cid, created, model)
+        grant = await api.admit(caller, id)  # the one admission step, before anything is held
+        try:
+            model = (await api.submit(caller, chat, grant, kind="chat", extra={})).model  # after any fallback
+            cid = f"chatcmpl-{id}"
+            created = int(time.time())
+            if stream:
+                resp = HttpResponse(
+                    200,
+                    list(SSE_HEADERS),
+                    stream=self._stream(grant, caller, id, keyed, cid, created, model, include_usage),
+                )
+                resp.on_close.append(grant.release)  # if the stream never starts
+                return resp
+            return await self._wait(grant, caller, id, keyed, cid, created, model)
+        except BaseException:
+            grant.release()  # idempotent: following the log gives it back too
+            raise
 
     async def _wait(
-        self, caller: Caller, id: str, keyed: bool, cid: str, created: int, model: str
+        self, grant: Grant, caller: Caller, id: str, keyed: bool, cid: str, created: int, model: str
     ) -> HttpResponse:
         text: list[str] = []
         end: LogEntry | None = None
         try:
-            async for batch in self.api.follow(caller.owner, id):
+            async for batch in self.api.follow(grant, caller.owner, id):
                 text.extend(e.text for e in batch if e.finish is None)
                 if batch[-1].finish is not None:
                     end = batch[-1]
@@ -204,7 +179,15 @@ class ChatCompletions:
         )
 
     async def _stream(
-        self, caller: Caller, id: str, keyed: bool, cid: str, created: int, model: str, include_usage: bool
+        self,
+        grant: Grant,
+        caller: Caller,
+        id: str,
+        keyed: bool,
+        cid: str,
+        created: int,
+        model: str,
+        include_usage: bool,
     ) -> AsyncIterator[bytes]:
         def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
             obj: dict[str, Any] = {
@@ -222,7 +205,7 @@ class ChatCompletions:
         try:
             yield chunk({"role": "assistant", "content": ""})
             try:
-                async for batch in self.api.follow(caller.owner, id):
+                async for batch in self.api.follow(grant, caller.owner, id):
                     text = "".join(e.text for e in batch if e.finish is None)
                     if text:
                         yield chunk({"content": text})

@@ -12,16 +12,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs
 
-from server.gateway.http_api import SSE_HEADERS, ApiError, Caller, bad, json_response, sse
+from server.gateway.admission import Grant
+from server.gateway.http_common import (
+    SSE_HEADERS,
+    ApiError,
+    Caller,
+    HttpCore,
+    bad,
+    check_fields,
+    json_response,
+    sse,
+    text_content,
+)
 from server.gateway.http_conn import HttpRequest, HttpResponse
-from server.gateway.openai_chat import check_fields, text_content
-
-if TYPE_CHECKING:
-    from server.gateway.http_api import HttpApi
-    from server.store.requests import RequestView
+from server.store.requests import RequestView
 
 PREFIX = "resp_"
 SUPPORTED = {
@@ -137,7 +144,7 @@ def _error(code: str, message: str) -> dict[str, str]:
 
 
 class Responses:
-    def __init__(self, api: HttpApi) -> None:
+    def __init__(self, api: HttpCore) -> None:
         self.api = api
 
     async def _find(self, caller: Caller, rid: str) -> RequestView:
@@ -213,23 +220,34 @@ class Responses:
             "metadata": metadata or {},
         }
         kind = "responses"
-        await api.submit(caller, chat, kind=kind, extra=extra, background=background)
-        rid = PREFIX + id
-        if stream:
-            return HttpResponse(200, list(SSE_HEADERS), stream=self._events(caller, rid, None, background))
-        if background:
-            view = await self._find(caller, rid)
-            return json_response(self._object(rid, view))
+        # The one admission step; a background response that is not streamed holds no stream.
+        grant = await api.admit(caller, id, stream=stream or not background)
         try:
-            await self._wait(caller, id)
-        except asyncio.CancelledError:
-            if not keyed:  # the client never learnt the id: nothing can re-attach
-                await api.cancel_quietly(caller.owner, id)
+            await api.submit(caller, chat, grant, kind=kind, extra=extra, background=background)
+            rid = PREFIX + id
+            if stream:
+                resp = HttpResponse(
+                    200, list(SSE_HEADERS), stream=self._events(grant, caller, rid, None, background)
+                )
+                resp.on_close.append(grant.release)  # if the stream never starts
+                return resp
+            if background:
+                grant.release()
+                view = await self._find(caller, rid)
+                return json_response(self._object(rid, view))
+            try:
+                await self._wait(grant, caller, id)
+            except asyncio.CancelledError:
+                if not keyed:  # the client never learnt the id: nothing can re-attach
+                    await api.cancel_quietly(caller.owner, id)
+                raise
+        except BaseException:
+            grant.release()  # idempotent: following the log gives it back too
             raise
         return json_response(self._object(rid, await self._find(caller, rid)))
 
-    async def _wait(self, caller: Caller, id: str) -> None:
-        async for _ in self.api.follow(caller.owner, id):
+    async def _wait(self, grant: Grant, caller: Caller, id: str) -> None:
+        async for _ in self.api.follow(grant, caller.owner, id):
             pass
 
     def _object(self, rid: str, view: RequestView) -> dict[str, Any]:
@@ -263,7 +281,11 @@ class Responses:
                 param="starting_after",
             )
         background = bool(view.payload.get("background"))
-        return HttpResponse(200, list(SSE_HEADERS), stream=self._events(caller, rid, after, background))
+        grant = await self.api.admit(caller, rid[len(PREFIX) :], kind="resume")
+        events = self._events(grant, caller, rid, after, background)
+        resp = HttpResponse(200, list(SSE_HEADERS), stream=events)
+        resp.on_close.append(grant.release)  # if the stream never starts
+        return resp
 
     async def cancel(self, req: HttpRequest, caller: Caller, args: dict[str, str]) -> HttpResponse:
         rid = args["id"]
@@ -272,7 +294,7 @@ class Responses:
         return json_response(self._object(rid, await self._find(caller, rid)))
 
     async def _events(
-        self, caller: Caller, rid: str, after: int | None, background: bool
+        self, grant: Grant, caller: Caller, rid: str, after: int | None, background: bool
     ) -> AsyncIterator[bytes]:
         """The response's SSE events: from the start (``after`` None), or the text after token ``after``
         followed by the closing events. Follows the log from 0 to know the full text for the closing
@@ -305,7 +327,7 @@ class Responses:
         text: list[str] = []
         try:
             # Not attached for background responses: they must not be cancelled by the detach timeout.
-            async for batch in self.api.follow(caller.owner, id, attached=not background):
+            async for batch in self.api.follow(grant, caller.owner, id, attached=not background):
                 out = []
                 for e in batch:
                     if e.finish is not None:

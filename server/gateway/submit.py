@@ -1,5 +1,6 @@
-"""Turning a validated chat into a request in the store: the one path both doors take (the WebSocket
-``chat`` in connection.py and the OpenAI-compatible HTTP API in http_api.py).
+"""Turning an admitted chat into a request in the store: the one path every door takes (the WebSocket
+``chat`` in connection.py, the OpenAI-compatible HTTP API in openai_chat.py and openai_responses.py).
+It runs only with an admission grant (admission.py), taken once.
 
 It applies the server's defaults, picks the model, walks the degradation ladder under load, computes the
 response-cache key and submits. Outcomes a client must hear about are raised as ``ProtocolError``; the
@@ -22,16 +23,16 @@ import hashlib
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from protocol import Chat, ErrorCode, Params, ProtocolError
 from server import metrics
-from server.gateway.limits import limited
-from server.gateway.models import Choice
-from server.store.requests import SubmitResult
-
-if TYPE_CHECKING:
-    from server.gateway.server import Gateway, GatewaySettings
+from server.gateway.admission import Grant, limited, require
+from server.gateway.degradation import Degradation
+from server.gateway.models import Choice, ModelRegistry
+from server.gateway.routing import Router
+from server.gateway.settings import GatewaySettings
+from server.store.requests import RequestStore, SubmitResult
 
 # Keys of params that choose where a chat runs, not how it samples: kept out of the sampling parameters
 # the worker reads (the chosen model travels on its own, and is part of the response-cache key).
@@ -47,7 +48,6 @@ class ChatRequest:
     chat: Chat
     messages: list[dict[str, str]]
     fingerprint: str
-    weight: float = 1.0  # fair-share weight from the JWT tier claim
     session: str = ""
     user_message: dict[str, str] | None = None  # content mode: appended to the history at the end
     turn_after: str | None = None  # content mode: the session's previous turn, waited for
@@ -100,115 +100,139 @@ def response_cache_key(
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
-async def _fallback_for(gw: Gateway, model: Choice, asked: Params) -> Choice | None:
-    """Rung 3: the light model this chat may move to now, or None."""
-    light = gw.settings.fallback_for(model.name)
-    if light is None or asked.fallback is False or light == model.name:
-        return None
-    served = await gw.models.served()
-    if light not in served.names:
-        return None  # not up (a cluster whose light workers are gone): stay, and let the queue decide
-    choice = Choice(light, served.route(light))
-    if await gw.degraded(choice):
-        return None  # the light model is overloaded too: moving would not help
-    return choice
+class Submitter:
+    """The submit path: defaults, model choice, the degradation ladder, the response cache, the store."""
 
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        store: RequestStore,
+        models: ModelRegistry,
+        router: Router,
+        degradation: Degradation,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.models = models
+        self.router = router
+        self.degradation = degradation
 
-async def submit_chat(gw: Gateway, req: ChatRequest) -> Submitted:
-    """Create the request (or attach to the one with this id). Raises ProtocolError: model_not_found,
-    idempotency_conflict, rate_limited (the per-user in-flight cap), overloaded."""
-    st = gw.settings
-    chat = req.chat
-    params = {k: v for k, v in chat.params.to_wire().items() if k not in ROUTING_PARAMS}
-    # The server's own limit, advertised in welcome.limits.max_tokens, caps what a client asks for.
-    params["max_tokens"] = min(params.get("max_tokens", st.default_max_tokens), st.max_tokens)
-    if chat.params.seed is None:
-        # A fixed seed per request makes a re-run (another worker after a crash) draw the same text.
-        params["seed"] = secrets.randbits(63)
-    messages = req.messages
-    model = asked = await gw.models.choose(chat.params.model, chat.id)
-    fell_back = False
-    if await gw.degraded(model):
-        messages, params = degrade(messages, params, st)  # rungs 1 and 2
-        light = await _fallback_for(gw, model, chat.params)  # rung 3
-        if light is not None:
-            model, fell_back = light, True
-    while True:
-        res = await _submit_to(gw, req, model, messages, params)
-        if res.outcome == "overloaded" and not fell_back:
-            # Its queue is full: the light model, if any, before refusing (rung 3 before rung 4).
-            light = await _fallback_for(gw, model, chat.params)
+    async def _fallback_for(self, model: Choice, asked: Params) -> Choice | None:
+        """Rung 3: the light model this chat may move to now, or None."""
+        light = self.settings.fallback_for(model.name)
+        if light is None or asked.fallback is False or light == model.name:
+            return None
+        served = await self.models.served()
+        if light not in served.names:
+            return None  # not up (a cluster whose light workers are gone): stay, and let the queue decide
+        choice = Choice(light, served.route(light))
+        if await self.degradation.degraded(choice):
+            return None  # the light model is overloaded too: moving would not help
+        return choice
+
+    async def submit(self, req: ChatRequest, grant: Grant) -> Submitted:
+        """Create the request (or attach to the one with this id), once per grant. Raises ProtocolError:
+        model_not_found, idempotency_conflict, rate_limited (the per-user in-flight cap), overloaded."""
+        require(grant)
+        if grant.submitted:
+            raise RuntimeError("a grant admits one submit")
+        grant.end_wait()
+        st = self.settings
+        chat = req.chat
+        params = {k: v for k, v in chat.params.to_wire().items() if k not in ROUTING_PARAMS}
+        # The server's own limit, advertised in welcome.limits.max_tokens, caps what a client asks for.
+        params["max_tokens"] = min(params.get("max_tokens", st.default_max_tokens), st.max_tokens)
+        if chat.params.seed is None:
+            # A fixed seed per request makes a re-run (another worker after a crash) draw the same text.
+            params["seed"] = secrets.randbits(63)
+        messages = req.messages
+        model = asked = await self.models.choose(chat.params.model, chat.id)
+        fell_back = False
+        if await self.degradation.degraded(model):
+            messages, params = degrade(messages, params, st)  # rungs 1 and 2
+            light = await self._fallback_for(model, chat.params)  # rung 3
             if light is not None:
                 model, fell_back = light, True
-                continue
-        break
-    if res.outcome != "turn_moved":
+        while True:
+            res = await self._submit_to(req, grant, model, messages, params)
+            if res.outcome == "overloaded" and not fell_back:
+                # Its queue is full: the light model, if any, before refusing (rung 3 before rung 4).
+                light = await self._fallback_for(model, chat.params)
+                if light is not None:
+                    model, fell_back = light, True
+                    continue
+            break
+        if res.outcome == "turn_moved":
+            return Submitted(res, model.name)  # the door waits for that turn too, then submits again
+        grant.submitted = True
         metrics.REQUESTS.labels(res.outcome).inc()
-    if res.outcome == "user_limit":
-        cap = gw.store.settings.max_inflight_per_user
-        raise limited(chat.id, f"at most {cap} requests queued or running per user", 1000)
-    if res.outcome == "conflict":
-        raise ProtocolError(
-            ErrorCode.IDEMPOTENCY_CONFLICT,
-            "id: a different request already uses this id; use a new id for a new request",
-            id=chat.id,
-        )
-    if res.outcome == "overloaded":
-        # An estimate: the queue ahead drains at roughly one request per 100 ms per worker here.
-        workers = max(1, len(await gw.store.live_workers()))
-        raise ProtocolError(
-            ErrorCode.OVERLOADED,
-            "the server's queue is full; retry later",
-            id=chat.id,
-            retry_after_ms=min(30_000, 250 + 100 * res.queued // workers),
-        )
-    if res.outcome == "attach":
-        # A retry: the request keeps the model it was given (maybe a fallback, maybe before a restart).
-        info = await gw.store.get(req.owner, chat.id)
-        return Submitted(res, (info.model if info is not None else "") or model.name)
-    if fell_back and res.outcome in ("new", "cached"):
-        metrics.FALLBACKS.labels(asked.name, model.name).inc()
-    return Submitted(res, model.name, fell_back)
+        if res.outcome == "user_limit":
+            cap = self.store.settings.max_inflight_per_user
+            raise limited(chat.id, f"at most {cap} requests queued or running per user", 1000)
+        if res.outcome == "conflict":
+            raise ProtocolError(
+                ErrorCode.IDEMPOTENCY_CONFLICT,
+                "id: a different request already uses this id; use a new id for a new request",
+                id=chat.id,
+            )
+        if res.outcome == "overloaded":
+            # An estimate: the queue ahead drains at roughly one request per 100 ms per worker here.
+            workers = max(1, len(await self.store.live_workers()))
+            raise ProtocolError(
+                ErrorCode.OVERLOADED,
+                "the server's queue is full; retry later",
+                id=chat.id,
+                retry_after_ms=min(30_000, 250 + 100 * res.queued // workers),
+            )
+        if res.outcome == "attach":
+            # A retry: the request keeps the model it was given (maybe a fallback, maybe before a restart).
+            info = await self.store.get(req.owner, chat.id)
+            return Submitted(res, (info.model if info is not None else "") or model.name)
+        if fell_back and res.outcome in ("new", "cached"):
+            metrics.FALLBACKS.labels(asked.name, model.name).inc()
+        return Submitted(res, model.name, fell_back)
 
-
-async def _submit_to(
-    gw: Gateway,
-    req: ChatRequest,
-    model: Choice,
-    messages: list[dict[str, str]],
-    params: dict[str, Any],
-) -> SubmitResult:
-    st = gw.settings
-    payload: dict[str, Any] = {
-        "owner": req.owner,
-        "id": req.chat.id,
-        "session": req.session,
-        "messages": messages,
-        "params": params,
-        **req.extra,
-        "model": model.name,
-        "route": model.route,
-    }
-    if req.weight != 1.0:
-        payload["weight"] = req.weight  # the worker's engine shares itself by weighted service
-    cache_key = response_cache_key(messages, params, req.chat.params, model.name) if st.response_cache else ""
-    # Session affinity (a worker whose KV cache holds the earlier turns) for the default model only.
-    prefer = await gw.router.prefer(req.session) if req.session and not model.route else ""
-    res = await gw.store.submit(
-        req.owner,
-        req.chat.id,
-        req.fingerprint,
-        payload,
-        session=req.session,
-        user_message=req.user_message,
-        prefer=prefer,
-        cache_key=cache_key,
-        shared_cache=st.shared_response_cache,
-        turn_after=req.turn_after,
-        detach_timeout_ms=req.detach_timeout_ms,
-        model=model.name,
-        route=model.route,
-    )
-    if cache_key and res.outcome in ("new", "cached"):
-        metrics.CACHE.labels("hit" if res.outcome == "cached" else "miss").inc()
-    return res
+    async def _submit_to(
+        self,
+        req: ChatRequest,
+        grant: Grant,
+        model: Choice,
+        messages: list[dict[str, str]],
+        params: dict[str, Any],
+    ) -> SubmitResult:
+        st = self.settings
+        payload: dict[str, Any] = {
+            "owner": req.owner,
+            "id": req.chat.id,
+            "session": req.session,
+            "messages": messages,
+            "params": params,
+            **req.extra,
+            "model": model.name,
+            "route": model.route,
+        }
+        if grant.weight != 1.0:
+            payload["weight"] = grant.weight  # the worker's engine shares itself by weighted service
+        cache_key = (
+            response_cache_key(messages, params, req.chat.params, model.name) if st.response_cache else ""
+        )
+        # Session affinity (a worker whose KV cache holds the earlier turns) for the default model only.
+        prefer = await self.router.prefer(req.session) if req.session and not model.route else ""
+        res = await self.store.submit(
+            req.owner,
+            req.chat.id,
+            req.fingerprint,
+            payload,
+            session=req.session,
+            user_message=req.user_message,
+            prefer=prefer,
+            cache_key=cache_key,
+            shared_cache=st.shared_response_cache,
+            turn_after=req.turn_after,
+            detach_timeout_ms=req.detach_timeout_ms,
+            model=model.name,
+            route=model.route,
+        )
+        if cache_key and res.outcome in ("new", "cached"):
+            metrics.CACHE.labels("hit" if res.outcome == "cached" else "miss").inc()
+        return res

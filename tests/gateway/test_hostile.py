@@ -28,8 +28,9 @@ async def test_chat_flood_is_rate_limited_with_retry_after(
         redis, redis_url, keys, gateway=GatewaySettings(port=0, chat_rate_per_connection=5)
     ) as server:
         c = await Client.connect(server.url)
+        flood = (Message("user", "flood"),)  # messages mode: never waits, so only the bucket decides
         for i in range(30):
-            await c.send(Chat(id=f"f{i}", content="flood", params=Params(max_tokens=2)))
+            await c.send(Chat(id=f"f{i}", messages=flood, params=Params(max_tokens=2)))
         limited, accepted = [], []
         while len(limited) + len(accepted) < 30:
             f = await c.recv()

@@ -1,0 +1,271 @@
+"""The one admission step every door takes when a frame or request arrives, before it holds anything.
+
+A door (the WebSocket protocol, HTTP chat completions, the Responses API over HTTP or WebSocket) asks
+:meth:`Admission.admit` once per ``chat`` or resume, before it creates a task, keeps a buffer beyond the
+frame it read, subscribes to a log or writes to the store. The answer is a :class:`Grant` or a
+``ProtocolError`` (``rate_limited`` / ``overloaded`` with ``retry_after_ms``), which the door sends at
+once: nothing waits to be refused.
+
+A grant is what the rest of the core insists on: :meth:`server.gateway.submit.Submitter.submit` and
+:meth:`server.gateway.streams.Streams.follow` take one and refuse to run without it, so a door cannot
+skip this step. A grant holds the stream slot (of its connection and of its owner) and, for a
+content-mode turn that waits for the previous turn, a waiting slot of its session and the bytes of its
+content, until the door releases it; releasing is idempotent.
+
+What is checked, cheapest first (SPEC.md §6):
+
+1. the connection's token bucket for chats or resumes (WebSocket doors);
+2. streams attached or reserved on the connection (``max_streams``) and for the owner on this gateway;
+3. for a waiting turn: turns waiting in its session, waiting bytes on this gateway, and the queue depth
+   (a turn that would be refused ``overloaded`` once its wait ends is refused now);
+4. the owner's rate across all gateways (a counter in the store: the one write admission makes).
+
+Frame and body sizes are checked where the bytes are read (websockets' ``max_size``, the HTTP door's
+``max_body``), from the same settings (:attr:`Admission.max_frame_bytes`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from protocol import ErrorCode, ProtocolError
+from server import metrics
+from server.gateway.settings import GatewaySettings
+from server.store.requests import RequestStore
+
+Kind = Literal["chat", "resume"]
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """``rate`` actions per second with bursts of ``burst``; local to one connection."""
+
+    rate: float
+    burst: float
+    tokens: float = field(default=-1.0)
+    at: float = field(default_factory=time.monotonic)
+
+    def take(self) -> int:
+        """0 if allowed, else how many ms until one more is allowed."""
+        now = time.monotonic()
+        if self.tokens < 0:
+            self.tokens = self.burst
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0
+        return max(1, int((1 - self.tokens) / self.rate * 1000))
+
+
+def limited(id: str | None, what: str, retry_after_ms: int) -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.RATE_LIMITED, f"{what}; retry in {retry_after_ms} ms", id=id, retry_after_ms=retry_after_ms
+    )
+
+
+class ConnectionLimits:
+    """One WebSocket connection's share of the limits: its buckets and the ids of its streams (attached,
+    or reserved by a grant not yet attached)."""
+
+    def __init__(self, st: GatewaySettings) -> None:
+        rate = st.chat_rate_per_connection
+        self.chats = TokenBucket(rate=rate, burst=2 * rate)
+        # Resumes replay whole logs: limited like chats, with a burst that lets one reconnect resume
+        # every stream it may hold (a hello.resume of max_streams points).
+        rrate = st.resume_rate_per_connection
+        self.resumes = TokenBucket(rate=rrate, burst=max(2 * rrate, float(st.max_streams_per_connection)))
+        self.streams: dict[str, int] = {}  # id -> grants holding a stream of it on this connection
+
+    def count(self) -> int:
+        return len(self.streams)
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a door asks to do. ``conn`` is None for doors without a connection of their own (HTTP: one
+    request at a time per connection). ``stream``: the request will follow a log (an HTTP background
+    create does not). ``waits``: a content-mode turn that will wait for its session's previous turn,
+    holding ``held_bytes`` meanwhile."""
+
+    kind: Kind
+    owner: str
+    id: str
+    conn: ConnectionLimits | None = None
+    session: str = ""
+    weight: float = 1.0
+    stream: bool = True
+    waits: bool = False
+    held_bytes: int = 0
+
+
+class Grant:
+    """Admission's yes. Only :class:`Admission` makes them; the submit path and the log follower check
+    ``isinstance`` and refuse anything else. Holds its slots until :meth:`release`."""
+
+    __slots__ = ("_admission", "_streams", "_waiting", "ask", "submitted", "weight")
+
+    def __init__(self, admission: Admission, ask: Ask, key: object) -> None:
+        if key is not _MINT:
+            raise TypeError("grants come from Admission.admit")
+        self._admission = admission
+        self.ask = ask
+        self.weight = ask.weight  # the owner's fair-share weight, as admission saw it
+        self._streams = ask.stream
+        self._waiting = ask.waits
+        self.submitted = False  # the submit path takes a grant once
+
+    @property
+    def waiting(self) -> bool:
+        return self._waiting
+
+    def end_wait(self) -> None:
+        """The turn's wait is over (it is about to be submitted, or dropped): free its waiting slot."""
+        if self._waiting:
+            self._waiting = False
+            self._admission._end_wait(self.ask)
+
+    def release(self) -> None:
+        """Free everything this grant holds (idempotent): the door's stream ended or was refused."""
+        self.end_wait()
+        if self._streams:
+            self._streams = False
+            self._admission._end_stream(self.ask)
+
+
+_MINT = object()
+
+
+class Admission:
+    """Per-gateway counters and the store's per-owner rates; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        store: RequestStore,
+        queued: Callable[[str], Awaitable[int]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self._queued = queued  # route -> queue depth, cached (degradation.py); None: never consulted
+        self.streams_by_owner: dict[str, int] = {}
+        self.waiting_by_session: dict[str, int] = {}
+        self.waiting_bytes = 0
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self.settings.max_frame_bytes
+
+    def connection(self) -> ConnectionLimits:
+        return ConnectionLimits(self.settings)
+
+    async def admit(self, ask: Ask, *, waits: Callable[[], Awaitable[bool]] | None = None) -> Grant:
+        """Admit ``ask`` or raise ProtocolError (rate_limited / overloaded, with retry_after_ms). Nothing
+        is held when it raises; the grant holds its slots when it returns. ``waits``, asked only once the
+        connection's own limits passed: whether this content-mode turn will wait for the previous one
+        (``grant.waiting`` then says so)."""
+        try:
+            self._check_local(ask)
+            if waits is not None and not ask.waits and await waits():
+                ask = replace(ask, waits=True)
+                self._check_waiting(ask)
+            grant = self._take(ask)
+        except ProtocolError as exc:
+            metrics.ADMISSION.labels(ask.kind, exc.code.value).inc()
+            raise
+        try:
+            await self._check_shared(ask)
+        except BaseException as exc:
+            grant.release()
+            if isinstance(exc, ProtocolError):
+                metrics.ADMISSION.labels(ask.kind, exc.code.value).inc()
+            raise
+        metrics.ADMISSION.labels(ask.kind, "admitted").inc()
+        return grant
+
+    def _check_local(self, ask: Ask) -> None:
+        st = self.settings
+        conn = ask.conn
+        if conn is not None:
+            wait = (conn.chats if ask.kind == "chat" else conn.resumes).take()
+            if wait:
+                what = "chats" if ask.kind == "chat" else "resumes"
+                raise limited(ask.id, f"too many {what} on this connection", wait)
+            cap = st.max_streams_per_connection
+            # A new chat/resume of an id already streaming here replaces that stream (SPEC §8.9).
+            if ask.stream and conn.count() >= cap and ask.id not in conn.streams:
+                raise limited(ask.id, f"at most {cap} streams per connection", 1000)
+        if ask.stream and self.streams_by_owner.get(ask.owner, 0) >= st.max_streams_per_user:
+            raise limited(ask.id, f"at most {st.max_streams_per_user} streams per user on this server", 1000)
+        self._check_waiting(ask)
+
+    def _check_waiting(self, ask: Ask) -> None:
+        st = self.settings
+        if ask.waits:
+            cap = st.max_waiting_turns_per_session
+            if self.waiting_by_session.get(ask.session, 0) >= cap:
+                raise limited(ask.id, f"at most {cap} turns of a session may wait for the previous one", 1000)
+            if self.waiting_bytes + ask.held_bytes > st.max_waiting_bytes:
+                raise ProtocolError(
+                    ErrorCode.OVERLOADED,
+                    "too many turns waiting on this server; retry later",
+                    id=ask.id,
+                    retry_after_ms=1000,
+                )
+
+    async def _check_shared(self, ask: Ask) -> None:
+        st = self.settings
+        if ask.waits and self._queued is not None and self.store.settings.max_queued:
+            # A waiting turn is held until its wait ends; one the queue would refuse is refused now.
+            queued = await self._queued("")
+            if queued >= self.store.settings.max_queued:
+                raise ProtocolError(
+                    ErrorCode.OVERLOADED,
+                    "the server's queue is full; retry later",
+                    id=ask.id,
+                    retry_after_ms=1000,
+                )
+        limit = st.chat_rate_per_user if ask.kind == "chat" else st.resume_rate_per_user
+        wait = await self.store.rate(ask.owner, ask.kind, limit)
+        if wait:
+            what = "chats" if ask.kind == "chat" else "resumes"
+            raise limited(ask.id, f"too many {what} for this user", wait)
+
+    def _take(self, ask: Ask) -> Grant:
+        if ask.stream:
+            if ask.conn is not None:
+                ask.conn.streams[ask.id] = ask.conn.streams.get(ask.id, 0) + 1
+            self.streams_by_owner[ask.owner] = self.streams_by_owner.get(ask.owner, 0) + 1
+        if ask.waits:
+            self.waiting_by_session[ask.session] = self.waiting_by_session.get(ask.session, 0) + 1
+            self.waiting_bytes += ask.held_bytes
+            metrics.WAITING_TURNS.inc()
+        return Grant(self, ask, _MINT)
+
+    def _end_wait(self, ask: Ask) -> None:
+        _decrement(self.waiting_by_session, ask.session)
+        self.waiting_bytes -= ask.held_bytes
+        metrics.WAITING_TURNS.dec()
+
+    def _end_stream(self, ask: Ask) -> None:
+        if ask.conn is not None:
+            _decrement(ask.conn.streams, ask.id)
+        _decrement(self.streams_by_owner, ask.owner)
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
+
+
+def require(grant: object) -> Grant:
+    """The grant a core entry point was given, checked: a door that skipped admission fails here."""
+    if not isinstance(grant, Grant):
+        raise TypeError("this needs a Grant from Admission.admit: every door is admitted first")
+    return grant

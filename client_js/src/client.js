@@ -92,7 +92,11 @@ export class ChatStream {
     this.offset = 0;
     this.epoch = null;
     this.model = null; // the model that serves it, from accepted.model (null: the server did not say)
-    this.state = "pending"; // pending | queued | running | done | failed | cancelled (server's view)
+    // pending | waiting | queued | running | done | failed | cancelled (server's view). "waiting": a
+    // content-mode turn the server holds until the session's previous turn ends (SPEC §4.2);
+    // `waitingFor` then names that turn when the server said.
+    this.state = "pending";
+    this.waitingFor = null;
     this.finishReason = null;
     this.result = new Promise((resolve, reject) => {
       this.#resolve = resolve;
@@ -527,6 +531,15 @@ export class TokenwireClient extends Emitter {
     switch (frame.type) {
       case "accepted":
         if (req) this.#onAccepted(req, frame);
+        break;
+      case "waiting":
+        // Held by the server, not lost: its accepted (or an error) follows. Still a chat to resend
+        // after a drop, since the server forgets a waiting turn with its connection.
+        if (req && !req.accepted) {
+          req.stream.state = "waiting";
+          req.stream.waitingFor = frame.after ?? null;
+          this.emit("waiting", { id: req.id, after: frame.after ?? null });
+        }
         break;
       case "delta":
         if (req && req.phase === "attached" && req.conn === conn) this.#onDelta(req, frame);

@@ -194,7 +194,7 @@ export function toWire(frame) {
   }
 }
 
-const SERVER_TYPES = new Set(["welcome", "accepted", "delta", "done", "error", "pong"]);
+const SERVER_TYPES = new Set(["welcome", "accepted", "waiting", "delta", "done", "error", "pong"]);
 
 /**
  * Check a decoded server frame (SPEC §5) enough to rely on it: the fields the client reads have the
@@ -209,6 +209,8 @@ export function checkServerFrame(f) {
       return int("v") && str("session") && str("session_token") && str("server") ? null : "welcome: bad fields";
     case "accepted":
       return str("id") && int("epoch", 1) && str("state") ? null : "accepted: bad fields";
+    case "waiting":
+      return str("id") && (f.after == null || str("after")) ? null : "waiting: bad fields";
     case "delta":
       return str("id") && int("offset") && int("n") && str("text") ? null : "delta: bad fields";
     case "done":

@@ -84,7 +84,13 @@ export class ChatStream implements AsyncIterable<StreamItem> {
   readonly epoch: number | null;
   /** The model that serves the request (`accepted.model`); null until accepted or if the server did not say. */
   readonly model: string | null;
-  readonly state: "pending" | RequestState;
+  /**
+   * "waiting": a content-mode turn the server holds until the session's previous turn ends (SPEC §4.2,
+   * the `waiting` frame); its accepted follows. Show it as waiting, not lost.
+   */
+  readonly state: "pending" | "waiting" | RequestState;
+  /** While waiting: the id of the turn it waits for, when the server said. */
+  readonly waitingFor: string | null;
   readonly finishReason: FinishReason | null;
   readonly ended: boolean;
   /** Resolves at `done`; rejects with a TokenwireError if the request failed or was lost. */
@@ -227,6 +233,8 @@ export interface ClientEvents {
   closed: StateEvent;
   /** A hello carried these resume points. */
   resume: { points: Array<{ id: string; offset: number; epoch?: number | null }> };
+  /** The server holds this content-mode turn until the session's previous turn ends (`waiting` frame). */
+  waiting: { id: string; after: string | null };
   /** A request's text was discarded (see ResetItem). */
   reset: { id: string; reason: ResetItem["reason"] };
   /** Every valid frame received. */

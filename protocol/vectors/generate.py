@@ -45,6 +45,7 @@ from protocol.frames import (
     ResumePoint,
     ServerFrame,
     Usage,
+    Waiting,
     Welcome,
     parse_client_frame,
     parse_server_frame,
@@ -157,6 +158,10 @@ def server_frames() -> list[tuple[str, ServerFrame]]:
         ),
     ]
     frames += [(f"accepted_{s}", Accepted(id="req-1", epoch=3, state=s)) for s in REQUEST_STATES]
+    frames += [
+        ("waiting", Waiting(id="req-2", after="req-1")),
+        ("waiting_no_after", Waiting(id="req-2")),
+    ]
     frames += [
         ("delta", Delta(id="req-1", offset=0, n=1, text="Hello")),
         ("delta_unicode", Delta(id="req-1", offset=5, n=7, text=UNICODE)),

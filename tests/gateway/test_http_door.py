@@ -1,0 +1,189 @@
+"""The HTTP door's own defences (issue 24): a deadline for a whole request, an idle timeout between
+requests, caps on connections per gateway and per peer, Idempotency-Keys that round-trip in a path, and
+no leaked subscription or attach count when a stream fails as it starts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from server.gateway.server import GatewaySettings
+from server.store.keys import Keys
+from tests.gateway.conftest import Running, running_server
+from tests.gateway.test_http_surface import _http
+
+
+async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def _status_line(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
+    return await asyncio.wait_for(reader.readline(), timeout_s)
+
+
+async def test_a_trickled_body_gets_408_at_the_request_deadline(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    gw = GatewaySettings(port=0, http_request_timeout_s=1.5, http_idle_timeout_s=10)
+    async with running_server(redis, redis_url, keys, gateway=gw) as server:
+        reader, writer = await _open(server.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n"
+        )
+        started = time.monotonic()
+        answer = b""
+
+        async def trickle() -> None:
+            # One byte every 0.2 s: each arrives well within any per-read timeout, so before this the
+            # connection was held for as long as the client kept dripping.
+            for _ in range(100):
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+
+        task = asyncio.create_task(trickle())
+        try:
+            answer = await _status_line(reader, 6.0)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        took = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert took < 5.0
+        writer.close()
+
+
+async def test_trickled_headers_get_408_too(redis: aioredis.Redis, redis_url: str, keys: Keys) -> None:
+    gw = GatewaySettings(port=0, http_request_timeout_s=1.0)
+    async with running_server(redis, redis_url, keys, gateway=gw) as server:
+        reader, writer = await _open(server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+
+        async def trickle() -> None:
+            for i in range(60):
+                writer.write(f"X-Drip-{i}: y\r\n".encode())
+                await writer.drain()
+                await asyncio.sleep(0.1)
+
+        task = asyncio.create_task(trickle())
+        try:
+            answer = await _status_line(reader, 5.0)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        writer.close()
+
+
+async def test_an_idle_keep_alive_connection_is_closed(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    gw = GatewaySettings(port=0, http_idle_timeout_s=0.5, http_request_timeout_s=30)
+    async with running_server(redis, redis_url, keys, gateway=gw) as server:
+        reader, writer = await _open(server.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _status_line(reader, 5.0)).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        rest = await asyncio.wait_for(reader.read(), 5.0)  # the body, then EOF once it was idle
+        assert rest.endswith(b"}")
+        assert time.monotonic() - started < 4.0
+        writer.close()
+
+
+async def test_connections_past_the_peer_cap_get_429_and_past_the_gateway_cap_503(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    gw = GatewaySettings(port=0, max_http_connections=3, max_http_connections_per_peer=2)
+    async with running_server(redis, redis_url, keys, gateway=gw) as server:
+        held = []
+        for _ in range(2):
+            r, w = await _open(server.port)
+            w.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await _status_line(r, 5.0)).startswith(b"HTTP/1.1 200")
+            held.append((r, w))
+        r3, w3 = await _open(server.port)
+        w3.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(r3.read(), 5.0)
+        assert answer.startswith(b"HTTP/1.1 429") and b"Retry-After" in answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        w3.close()
+        api = server.gateway.http
+        api.caps.max_per_peer = 10
+        api.caps.max_total = 2  # as if other peers held the rest
+        r4, w4 = await _open(server.port)
+        w4.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(r4.read(), 5.0)).startswith(b"HTTP/1.1 503")
+        w4.close()
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.2)
+        assert api.caps.total == 0 and api.caps.by_peer == {}  # closed connections are given back
+
+
+def _post(server: Running, path: str, body: dict[str, Any], key: str | None = None) -> Any:
+    async def go() -> tuple[int, Any]:
+        def call() -> tuple[int, bytes]:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+                headers = {"Content-Type": "application/json"}
+                if key is not None:
+                    headers["Idempotency-Key"] = key
+                conn.request("POST", path, body=json.dumps(body).encode(), headers=headers)
+                r = conn.getresponse()
+                return r.status, r.read()
+            finally:
+                conn.close()
+
+        status, raw = await asyncio.get_running_loop().run_in_executor(None, call)
+        return status, json.loads(raw)
+
+    return go()
+
+
+async def test_idempotency_keys_that_cannot_round_trip_in_a_path_are_refused(server: Running) -> None:
+    body = {"model": "default", "input": "hi", "background": True, "max_output_tokens": 2}
+    for key in ("a/b", "a?b", "a#b", "a%2Fb", "a b"):
+        status, err = await _post(server, "/v1/responses", body, key)
+        assert status == 400 and err["error"]["param"] == "Idempotency-Key", key
+    # Every accepted key can be retrieved and cancelled by its response id, quoted or not.
+    status, made = await _post(server, "/v1/responses", body, "order:42@shop+x")
+    assert status == 200 and made["id"] == "resp_order:42@shop+x"
+    for path in ("/v1/responses/resp_order:42@shop+x", "/v1/responses/resp_order%3A42%40shop%2Bx"):
+        got, _, raw = await _http(server.port, "GET", path)
+        assert got == 200 and json.loads(raw)["id"] == made["id"], path
+    status, cancelled = await _post(server, "/v1/responses/resp_order%3A42%40shop%2Bx/cancel", {})
+    assert status == 200 and cancelled["id"] == made["id"]
+
+
+async def test_a_stream_whose_touch_fails_leaks_no_subscription_or_attach(server: Running) -> None:
+    core = server.gateway.core
+    touch = core.store.touch
+    calls = 0
+
+    async def failing_touch(keys: list[str]) -> int:
+        nonlocal calls
+        calls += 1
+        raise ConnectionError("the store went away for a moment")
+
+    core.store.touch = failing_touch  # type: ignore[method-assign]
+    try:
+        body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        # The stream fails after its headers went out: the server ends the connection mid-body.
+        with contextlib.suppress(http.client.IncompleteRead):
+            await _http(server.port, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    finally:
+        core.store.touch = touch  # type: ignore[method-assign]
+    assert calls >= 1
+    await asyncio.sleep(0.1)
+    # Before, the subscription and the attach count were taken outside the try: both stayed forever,
+    # and the request counted as attached so its detach timeout never ran.
+    assert core.streams.attached == {}
+    assert core.admission.streams_by_owner == {}
+    assert all(not subs for p in core.streams.reader._parts for subs in p._subs.values())

@@ -130,6 +130,11 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             metrics_host=getattr(args, "metrics_host", None),
             ui_connect=tuple(getattr(args, "ui_connect", None) or ()),
             fallbacks=tuple(getattr(args, "fallback", None) or ()),
+            max_streams_per_user=getattr(args, "max_streams_per_user", 256),
+            max_waiting_turns_per_session=getattr(args, "max_waiting_turns", 2),
+            http_request_timeout_s=getattr(args, "http_request_timeout", 30.0),
+            max_http_connections=getattr(args, "max_http_connections", 4096),
+            max_http_connections_per_peer=getattr(args, "max_http_connections_per_peer", 256),
         ),
         store=Settings(
             lease_ttl_ms=int(args.lease_ttl * 1000),
@@ -286,6 +291,37 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--auth-secret",
             help="require hello.token: an HS256 JWT signed with this secret (or $TOKENWIRE_AUTH_SECRET)",
+        )
+        a = p.add_argument_group("admission (SPEC.md §6, §15.2): limits every door applies")
+        a.add_argument(
+            "--max-streams-per-user",
+            type=int,
+            default=256,
+            help="streams one user may have attached to this gateway at once (default 256)",
+        )
+        a.add_argument(
+            "--max-waiting-turns",
+            type=int,
+            default=2,
+            help="content-mode turns of one session that may wait for the previous turn (default 2)",
+        )
+        a.add_argument(
+            "--http-request-timeout",
+            type=float,
+            default=30.0,
+            help="an HTTP request's headers and body must arrive within this, seconds (default 30)",
+        )
+        a.add_argument(
+            "--max-http-connections",
+            type=int,
+            default=4096,
+            help="HTTP connections this gateway holds at once (default 4096; past it: 503)",
+        )
+        a.add_argument(
+            "--max-http-connections-per-peer",
+            type=int,
+            default=256,
+            help="HTTP connections from one peer address (default 256; past it: 429)",
         )
         d = p.add_argument_group("degradation under load (0 = off)")
         d.add_argument("--degrade-queue-depth", type=int, default=0, help="degrade new chats past this queue")

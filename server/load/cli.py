@@ -104,6 +104,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     if cfg.scenario == "hostile-prompt":
         return _hostile(cfg)
+    if cfg.scenario == "flood":
+        return _flood(cfg, args.flood_clients, args.flood_duration)
     engine = _load_engine(args.model, args.threads) if args.engine_only else None
     tune_for_long_lived_objects()  # thousands of idle connections: GC pauses would show up as RTT
     report = asyncio.run(run(cfg, progress=progress, engine=engine))
@@ -124,6 +126,21 @@ def _hostile(cfg: LoadConfig) -> int:
         cfg.json_path.write_text(json.dumps(report, indent=2) + "\n")
     failed = report["alone"]["requests_failed"] + report["with_hostile"]["requests_failed"]
     return 1 if failed else 0
+
+
+def _flood(cfg: LoadConfig, clients: int, duration_s: float) -> int:
+    import json
+
+    from server.load.flood import print_flood, run_flood
+
+    if not cfg.url:
+        print("tokenwire load: --scenario flood needs a server URL", file=sys.stderr)
+        return 2
+    report = asyncio.run(run_flood(cfg, clients, duration_s))
+    print_flood(report)
+    if cfg.json_path is not None:
+        cfg.json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if all(report["met"].values()) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,7 +68,7 @@ class Dist:
 
 SUBPROTOCOL_MODES = ("msgpack", "json", "both")
 VERIFY_MODES = ("drops", "all", "none")
-SCENARIOS = ("normal", "hostile-prompt")
+SCENARIOS = ("normal", "hostile-prompt", "flood")
 
 
 @dataclass(slots=True)
@@ -216,7 +216,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sends ~1 MiB 64-message chats; soak: --requests short chats (default 10000), then wait out "
         "--retention and report the store's memory at start, peak and end (needs --redis-url); "
         "noisy-neighbour: light users alone, then beside a heavy user under FIFO and fair share (starts its "
-        "own servers: no URL)",
+        "own servers: no URL); flood: the workload alone, then during --flood-duration of hostile clients "
+        "on every door (pass --server-pid for the gateway's memory)",
     )
     b = p.add_argument_group("bounds (default: --duration 30)")
     b.add_argument("--duration", type=float, help="issue no new request after this many seconds")
@@ -255,6 +256,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument(
         "--retention", type=float, default=60.0, help="soak: the server's --retention, seconds (default 60)"
     )
+    f = p.add_argument_group("flood (--scenario flood: does any frame or request get past admission?)")
+    f.add_argument(
+        "--flood-clients", type=int, default=4, help="flood: hostile WebSocket clients (default 4)"
+    )
+    f.add_argument("--flood-duration", type=float, default=60.0, help="flood: seconds of flood (default 60)")
     o = p.add_argument_group("output")
     o.add_argument("--json", dest="json_path", type=Path, metavar="FILE", help="write the report as JSON")
     o.add_argument(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -163,6 +164,7 @@ class RequestStore:
         self._reap = _load_script(r, "reap")
         self._lease = _load_script(r, "lease")
         self._live = _load_script(r, "live")
+        self._orphan = _load_script(r, "orphan")
 
     @property
     def partitions(self) -> range:
@@ -187,6 +189,7 @@ class RequestStore:
             self._reap,
             self._lease,
             self._live,
+            self._orphan,
         ):
             await self.r.script_load(script.script)
 
@@ -661,6 +664,46 @@ class RequestStore:
         await self._lease(keys=lease_keys, args=[dead_worker, me, "drop"])
         await self.r.hdel(k.worker_models, dead_worker)
         return total
+
+    async def unheld(self, worker: str, held: Collection[str]) -> dict[str, tuple[int, str]]:
+        """The requests the store says ``worker`` runs (its running sets, every partition) that are not in
+        ``held``, the ones the worker knows it runs: req key -> (started_ms, route) as read now. Reads
+        only (one pipelined SMEMBERS per partition, then one HMGET per request not held): a snapshot that
+        may already be stale, which :meth:`requeue_orphan` fences. Take ``held`` before calling, so that
+        a request started after the snapshot shows up only if it was started after the read too."""
+        pipe = self.r.pipeline(transaction=False)
+        for p in self.partitions:
+            pipe.smembers(self.keys.worker_requests(worker, p))
+        members = sorted({_s(m) for ms in await execute(pipe) for m in ms} - set(held))
+        if not members:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for req in members:
+            pipe.hmget(req, ["state", "worker", "started_ms", "route"])
+        out: dict[str, tuple[int, str]] = {}
+        for req, (state, holder, started, route) in zip(members, await execute(pipe), strict=True):
+            if state is not None and _s(state) == "running" and _s(holder or b"") == worker:
+                out[req] = (int(started or 0), _s(route or b""))
+        return out
+
+    async def requeue_orphan(self, worker: str, req_key: str, started_ms: int, route: str) -> bool:
+        """Put back on its own model's queue (same epoch: continued after its logged tokens) a request
+        that ``worker`` holds as running but does not run, if it is still running for ``worker`` under
+        the start that :meth:`unheld` saw (``started_ms``). Atomic (orphan.lua) and idempotent: a second
+        call, or one after the request ended, moved or was started again, changes nothing. True when it
+        was re-queued."""
+        k = self.keys
+        p = self.partition_of(req_key)
+        while True:
+            res = int(
+                await self._orphan(
+                    keys=[k.worker_requests(worker, p), req_key, k.queue(p, route), k.queued_count(p, route)],
+                    args=[worker, started_ms, route],
+                )
+            )
+            if res != -2:
+                return res == 1
+            route = _s(await self.r.hget(req_key, "route") or b"")  # declared the wrong queue: read again
 
     async def ping(self) -> None:
         """Raise unless the store answers (a round trip; readiness probes call it)."""

@@ -340,19 +340,22 @@ class Worker:
             user=str(p.get("owner") or ""),
             weight=_weight(p.get("weight")),
         )
-        task = asyncio.create_task(self._prepare_and_submit(request), name=f"prepare-{key}")
+        task = asyncio.create_task(self._prepare_and_submit(item, request), name=f"prepare-{key}")
         self._preparing.add(task)
         task.add_done_callback(self._preparing.discard)
         rlog.info("request.started", resumed_at=len(resume) or None, queue_wait_ms=item.queue_wait_ms)
 
-    async def _prepare_and_submit(self, request: GenerationRequest) -> None:
-        """Turn the request's messages into token ids on the prompt pool, then hand it to the engine."""
+    async def _prepare_and_submit(self, item: WorkItem, request: GenerationRequest) -> None:
+        """Turn the request's messages into token ids on the prompt pool, then hand it to the engine,
+        unless this worker dropped the request meanwhile (shed): then it never reaches the engine."""
         code, message = "", ""
         try:
             prepare = getattr(self.engine, "prepare", None)
             if callable(prepare):
                 loop = asyncio.get_running_loop()
                 request = await loop.run_in_executor(self._prompt_pool, prepare, request)
+            if self._items.get(request.key) is not item:
+                return  # dropped while it was prepared: nobody would read its tokens
             self.engine.submit(request)
         except PromptTooLarge as exc:
             code, message = "too_large", str(exc)
@@ -406,6 +409,11 @@ class Worker:
         log.warning("worker.shed", requests=len(self._items), steps=self._steps.qsize(), worker=self.name)
         for key in list(self._items):
             self.engine.cancel(key)
+        # Those still being prepared have not reached the engine, so the cancels above find nothing:
+        # stop them before they are submitted (and _prepare_and_submit checks again, for one whose
+        # prompt is already done and whose submit is next).
+        for task in list(self._preparing):
+            task.cancel()
         while not self._steps.empty():
             self._steps.get_nowait()
         self._items.clear()
@@ -423,7 +431,11 @@ class Worker:
             for o in outs:
                 item = self._items.get(o.key)
                 if item is None:
-                    continue  # already cancelled here
+                    # Dropped here (cancelled, shed): whatever the engine still runs of it runs for
+                    # nobody, so stop it (a cancel of a request the engine has finished does nothing).
+                    if o.finish is None:
+                        self.engine.cancel(o.key)
+                    continue
                 reply = self._replies[o.key]
                 reply.append(o.text)
                 ops.append(

@@ -68,6 +68,17 @@ def _info(owner: str, id: str, f: list[Any]) -> RequestInfo:
     )
 
 
+# What a tombstone's payload leaves out: the prompt, whose size only the frame or body limit bounds.
+_PROMPT_FIELDS = ("messages", "instructions")
+
+
+def tombstone_payload(payload: dict[str, Any]) -> str:
+    """The payload a refused request keeps (JSON): every field but the prompt. What is left is small and
+    bounded (ids, params, the door's own fields), and still says which door made it (the Responses door
+    finds its responses by ``api``)."""
+    return json.dumps({k: v for k, v in payload.items() if k not in _PROMPT_FIELDS}, separators=(",", ":"))
+
+
 @dataclass(frozen=True, slots=True)
 class SubmitResult:
     outcome: str  # "new" | "attach" | "conflict" | "overloaded" | "user_limit" | "cached" | "turn_moved"
@@ -127,6 +138,11 @@ class Settings:
     history_max_messages: int = 64
     session_ttl_ms: int = 24 * 3600 * 1000
     cache_ttl_ms: int = 10 * 60 * 1000  # response cache for deterministic requests
+    # A request refused before it generated anything (too_large, overloaded, a prompt that cannot be
+    # prepared) is kept only as a tombstone this long, without its prompt: long enough for a client's
+    # retries to get the same answer, short enough that refused megabyte chats cannot fill a Redis
+    # that never evicts (finish.lua). At most the retention.
+    refused_ttl_ms: int = 10 * 60 * 1000
 
 
 @dataclass(slots=True)
@@ -482,6 +498,13 @@ class RequestStore:
         op, whether the worker still holds the request; False means stop generating it (cancelled,
         detached too long, taken over by another worker after this one's lease lapsed, or re-queued or
         failed because the op's offset was not the log's end).
+
+        A request that fails before any token is logged (refused: too_large, overloaded, a prompt that
+        cannot be prepared) ends as a tombstone: its state, error, fingerprint, owner and a payload
+        without the prompt (``tombstone_payload``), with its log's end entry, both expiring after
+        ``refused_ttl_ms`` instead of the retention; the user message it would have added to its session
+        is dropped. A retry with the same id and payload within that time attaches to it and gets the
+        same error (never a generation); a later one is a new request.
         """
         if not ops:
             return []
@@ -518,6 +541,9 @@ class RequestStore:
                 )
                 n += 1
             if op.finish is not None:
+                # Refused before its first token: finish.lua keeps only a tombstone (it checks the log is
+                # empty itself; this only spares normal ends the bytes of the slim payload).
+                refused = op.finish == "error" and op.offset == 0 and op.n == 0
                 scripted.append(
                     (
                         self._finish,
@@ -537,6 +563,8 @@ class RequestStore:
                             op.error_message,
                             st.history_max_messages,
                             st.session_ttl_ms,
+                            min(st.refused_ttl_ms, st.retention_ms),
+                            tombstone_payload(op.item.payload) if refused else "",
                         ],
                     )
                 )

@@ -2,7 +2,8 @@
 
 The engine thread hands over all of a step's outputs in one call; this loop turns them into one
 pipelined round trip to Redis (append + finish scripts), and stops generating any request the store says
-this worker no longer holds (it was cancelled, or taken over).
+this worker no longer holds (it was cancelled, or taken over). The other way round, it re-queues any
+request the store says it holds and it does not run (``_reconcile``).
 """
 
 from __future__ import annotations
@@ -305,6 +306,7 @@ class Worker:
         within two lease periods, well inside the lease TTL. Skipped while shed requests wait to be
         handed back: the hand-back re-queues them all."""
         if self._hand_back:
+            self._unheld = {}
             return
         held = set(self._items) | self._starting  # before the read: see RequestStore.unheld
         unheld = await self.store.unheld(self.name, held)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -65,6 +66,17 @@ def _info(owner: str, id: str, f: list[Any]) -> RequestInfo:
         session=_s(f[5] or b""),
         model=_s(f[6] or b""),
     )
+
+
+# What a tombstone's payload leaves out: the prompt, whose size only the frame or body limit bounds.
+_PROMPT_FIELDS = ("messages", "instructions")
+
+
+def tombstone_payload(payload: dict[str, Any]) -> str:
+    """The payload a refused request keeps (JSON): every field but the prompt. What is left is small and
+    bounded (ids, params, the door's own fields), and still says which door made it (the Responses door
+    finds its responses by ``api``)."""
+    return json.dumps({k: v for k, v in payload.items() if k not in _PROMPT_FIELDS}, separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +138,11 @@ class Settings:
     history_max_messages: int = 64
     session_ttl_ms: int = 24 * 3600 * 1000
     cache_ttl_ms: int = 10 * 60 * 1000  # response cache for deterministic requests
+    # A request refused before it generated anything (too_large, overloaded, a prompt that cannot be
+    # prepared) is kept only as a tombstone this long, without its prompt: long enough for a client's
+    # retries to get the same answer, short enough that refused megabyte chats cannot fill a Redis
+    # that never evicts (finish.lua). At most the retention.
+    refused_ttl_ms: int = 10 * 60 * 1000
 
 
 @dataclass(slots=True)
@@ -163,6 +180,7 @@ class RequestStore:
         self._reap = _load_script(r, "reap")
         self._lease = _load_script(r, "lease")
         self._live = _load_script(r, "live")
+        self._orphan = _load_script(r, "orphan")
 
     @property
     def partitions(self) -> range:
@@ -187,6 +205,7 @@ class RequestStore:
             self._reap,
             self._lease,
             self._live,
+            self._orphan,
         ):
             await self.r.script_load(script.script)
 
@@ -479,6 +498,13 @@ class RequestStore:
         op, whether the worker still holds the request; False means stop generating it (cancelled,
         detached too long, taken over by another worker after this one's lease lapsed, or re-queued or
         failed because the op's offset was not the log's end).
+
+        A request that fails before any token is logged (refused: too_large, overloaded, a prompt that
+        cannot be prepared) ends as a tombstone: its state, error, fingerprint, owner and a payload
+        without the prompt (``tombstone_payload``), with its log's end entry, both expiring after
+        ``refused_ttl_ms`` instead of the retention; the user message it would have added to its session
+        is dropped. A retry with the same id and payload within that time attaches to it and gets the
+        same error (never a generation); a later one is a new request.
         """
         if not ops:
             return []
@@ -515,6 +541,9 @@ class RequestStore:
                 )
                 n += 1
             if op.finish is not None:
+                # Refused before its first token: finish.lua keeps only a tombstone (it checks the log is
+                # empty itself; this only spares normal ends the bytes of the slim payload).
+                refused = op.finish == "error" and op.offset == 0 and op.n == 0
                 scripted.append(
                     (
                         self._finish,
@@ -534,6 +563,8 @@ class RequestStore:
                             op.error_message,
                             st.history_max_messages,
                             st.session_ttl_ms,
+                            min(st.refused_ttl_ms, st.retention_ms),
+                            tombstone_payload(op.item.payload) if refused else "",
                         ],
                     )
                 )
@@ -661,6 +692,46 @@ class RequestStore:
         await self._lease(keys=lease_keys, args=[dead_worker, me, "drop"])
         await self.r.hdel(k.worker_models, dead_worker)
         return total
+
+    async def unheld(self, worker: str, held: Collection[str]) -> dict[str, tuple[int, str]]:
+        """The requests the store says ``worker`` runs (its running sets, every partition) that are not in
+        ``held``, the ones the worker knows it runs: req key -> (started_ms, route) as read now. Reads
+        only (one pipelined SMEMBERS per partition, then one HMGET per request not held): a snapshot that
+        may already be stale, which :meth:`requeue_orphan` fences. Take ``held`` before calling, so that
+        a request started after the snapshot shows up only if it was started after the read too."""
+        pipe = self.r.pipeline(transaction=False)
+        for p in self.partitions:
+            pipe.smembers(self.keys.worker_requests(worker, p))
+        members = sorted({_s(m) for ms in await execute(pipe) for m in ms} - set(held))
+        if not members:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for req in members:
+            pipe.hmget(req, ["state", "worker", "started_ms", "route"])
+        out: dict[str, tuple[int, str]] = {}
+        for req, (state, holder, started, route) in zip(members, await execute(pipe), strict=True):
+            if state is not None and _s(state) == "running" and _s(holder or b"") == worker:
+                out[req] = (int(started or 0), _s(route or b""))
+        return out
+
+    async def requeue_orphan(self, worker: str, req_key: str, started_ms: int, route: str) -> bool:
+        """Put back on its own model's queue (same epoch: continued after its logged tokens) a request
+        that ``worker`` holds as running but does not run, if it is still running for ``worker`` under
+        the start that :meth:`unheld` saw (``started_ms``). Atomic (orphan.lua) and idempotent: a second
+        call, or one after the request ended, moved or was started again, changes nothing. True when it
+        was re-queued."""
+        k = self.keys
+        p = self.partition_of(req_key)
+        while True:
+            res = int(
+                await self._orphan(
+                    keys=[k.worker_requests(worker, p), req_key, k.queue(p, route), k.queued_count(p, route)],
+                    args=[worker, started_ms, route],
+                )
+            )
+            if res != -2:
+                return res == 1
+            route = _s(await self.r.hget(req_key, "route") or b"")  # declared the wrong queue: read again
 
     async def ping(self) -> None:
         """Raise unless the store answers (a round trip; readiness probes call it)."""

@@ -2,7 +2,8 @@
 
 The engine thread hands over all of a step's outputs in one call; this loop turns them into one
 pipelined round trip to Redis (append + finish scripts), and stops generating any request the store says
-this worker no longer holds (it was cancelled, or taken over).
+this worker no longer holds (it was cancelled, or taken over). The other way round, it re-queues any
+request the store says it holds and it does not run (``_reconcile``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ class Worker:
         # Partitions with entries read but not started after a failure (read them again, take()).
         self._retake_pending: set[int] = set()
         self._items: dict[str, WorkItem] = {}
+        # Requests between the start call and _run (the start may have committed in Redis while its reply
+        # is on the way, or a re-queued one's logged tokens are being read): running in the store, not
+        # yet in _items, and not orphans (see _reconcile).
+        self._starting: set[str] = set()
+        # Requests the store said this worker runs and it did not, at the last reconcile: req key ->
+        # the started_ms seen then. Seen again under the same start at the next one, they are orphans.
+        self._unheld: dict[str, int] = {}
         self._replies: dict[str, list[str]] = {}
         self._timing: dict[str, _Timing] = {}
         self._steps: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
@@ -227,13 +235,19 @@ class Worker:
                 for queue, entry_id, req_key in entries:
                     # Its own queue holds only the default model's requests (session affinity).
                     route = "" if queue == own else self.route
-                    item = await self.store.start(self.name, entry_id, req_key, queue, route)
-                    if item is not None:
-                        resume: tuple[list[int], str] = ([], "")
-                        if item.completion_tokens:
-                            # Re-queued after its worker died: continue after the tokens already logged.
-                            resume = await self.store.logged_tokens(item.log_key)
-                        self._run(item, *resume)
+                    self._starting.add(req_key)
+                    try:
+                        item = await self.store.start(self.name, entry_id, req_key, queue, route)
+                        if item is not None:
+                            resume: tuple[list[int], str] = ([], "")
+                            if item.completion_tokens:
+                                # Re-queued after its worker died: continue after the tokens already logged.
+                                resume = await self.store.logged_tokens(item.log_key)
+                            self._run(item, *resume)
+                    finally:
+                        # Failed here after start committed (its reply lost, or the log read failed):
+                        # running in the store and nowhere here; _reconcile re-queues it.
+                        self._starting.discard(req_key)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -267,6 +281,7 @@ class Worker:
                     if n >= 0:
                         metrics.REQUEUED.inc(n)
                         log.warning("worker.reaped", dead_worker=dead, requeued=n, worker=self.name)
+                await self._reconcile()
                 depth = await self.store.queued(self.route)
                 metrics.MODEL_QUEUE_DEPTH.labels(self.model_name or "").set(depth)
                 if not self.route:
@@ -276,6 +291,35 @@ class Worker:
             except Exception as exc:
                 log.warning("worker.heartbeat_failed", error=str(exc))
                 self._store_failed(exc)
+
+    async def _reconcile(self) -> None:
+        """Re-queue the requests the store says this worker runs and it does not: started in Redis, but
+        the reply to start was lost (or the worker failed before handing one to its engine), or left by an
+        earlier process under this name. Nobody else would ever run them: the lease stays live, so no
+        reaper takes them, and attached clients' touches keep them from the detach timeout.
+
+        Runs once per lease period. A request counts as an orphan only when two checks in a row find it
+        running here under the same start (started_ms) and in neither ``_items`` (running, or being
+        prepared) nor ``_starting`` (between start and _run): one just started is in ``_starting`` from
+        before its start call, and the second look spares any snapshot race. So an orphan is re-queued
+        (its own model's queue, same epoch: continued after its logged tokens, by this worker or another)
+        within two lease periods, well inside the lease TTL. Skipped while shed requests wait to be
+        handed back: the hand-back re-queues them all."""
+        if self._hand_back:
+            self._unheld = {}
+            return
+        held = set(self._items) | self._starting  # before the read: see RequestStore.unheld
+        unheld = await self.store.unheld(self.name, held)
+        seen, self._unheld = self._unheld, {}
+        for key, (started_ms, route) in unheld.items():
+            if key in self._items or key in self._starting:
+                continue  # started here while the store was read
+            if seen.get(key) != started_ms:
+                self._unheld[key] = started_ms  # first sighting: look again next period
+                continue
+            if await self.store.requeue_orphan(self.name, key, started_ms, route):
+                metrics.REQUEUED.inc()
+                log.warning("worker.orphan_requeued", key=key, worker=self.name)
 
     def _run(self, item: WorkItem, resume: list[int], resumed_text: str) -> None:
         p = item.payload
@@ -298,19 +342,22 @@ class Worker:
             user=str(p.get("owner") or ""),
             weight=_weight(p.get("weight")),
         )
-        task = asyncio.create_task(self._prepare_and_submit(request), name=f"prepare-{key}")
+        task = asyncio.create_task(self._prepare_and_submit(item, request), name=f"prepare-{key}")
         self._preparing.add(task)
         task.add_done_callback(self._preparing.discard)
         rlog.info("request.started", resumed_at=len(resume) or None, queue_wait_ms=item.queue_wait_ms)
 
-    async def _prepare_and_submit(self, request: GenerationRequest) -> None:
-        """Turn the request's messages into token ids on the prompt pool, then hand it to the engine."""
+    async def _prepare_and_submit(self, item: WorkItem, request: GenerationRequest) -> None:
+        """Turn the request's messages into token ids on the prompt pool, then hand it to the engine,
+        unless this worker dropped the request meanwhile (shed): then it never reaches the engine."""
         code, message = "", ""
         try:
             prepare = getattr(self.engine, "prepare", None)
             if callable(prepare):
                 loop = asyncio.get_running_loop()
                 request = await loop.run_in_executor(self._prompt_pool, prepare, request)
+            if self._items.get(request.key) is not item:
+                return  # dropped while it was prepared: nobody would read its tokens
             self.engine.submit(request)
         except PromptTooLarge as exc:
             code, message = "too_large", str(exc)
@@ -364,6 +411,11 @@ class Worker:
         log.warning("worker.shed", requests=len(self._items), steps=self._steps.qsize(), worker=self.name)
         for key in list(self._items):
             self.engine.cancel(key)
+        # Those still being prepared have not reached the engine, so the cancels above find nothing:
+        # stop them before they are submitted (and _prepare_and_submit checks again, for one whose
+        # prompt is already done and whose submit is next).
+        for task in list(self._preparing):
+            task.cancel()
         while not self._steps.empty():
             self._steps.get_nowait()
         self._items.clear()
@@ -381,7 +433,11 @@ class Worker:
             for o in outs:
                 item = self._items.get(o.key)
                 if item is None:
-                    continue  # already cancelled here
+                    # Dropped here (cancelled, shed): whatever the engine still runs of it runs for
+                    # nobody, so stop it (a cancel of a request the engine has finished does nothing).
+                    if o.finish is None:
+                        self.engine.cancel(o.key)
+                    continue
                 reply = self._replies[o.key]
                 reply.append(o.text)
                 ops.append(

@@ -3,7 +3,13 @@
 -- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] session history list, KEYS[4] the worker's set
 --   of running requests in this partition (all in the owner's partition: one hash slot)
 -- ARGV: 1 worker id, 2 finish reason (stop|length|error), 3 prompt tokens, 4 reply text,
---       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms
+--       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms,
+--       10 the tombstone's ttl_ms, 11 the payload a tombstone keeps (JSON, without the prompt; "" when the
+--       caller saw tokens generated)
+-- A request that fails with no token logged (refused: too_large, overloaded, ...) and ARGV[11] given is
+-- kept as a tombstone only: what a retry needs (state, error, fingerprint, owner, the slim payload, the
+-- log's end entry), both expiring after ARGV[10]; the prompt, the user message and the cache key go now.
+-- A refused chat then costs Redis a few hundred bytes for minutes, not its size for the retention.
 -- A request that carries a response-cache key and ends normally returns the cache entry (JSON) instead
 -- of 1: the caller writes it with a separate SET, since a shared cache entry lives in another slot. A crash
 -- between the two loses only that cache entry (a later identical chat is generated again), never the
@@ -32,9 +38,16 @@ if ARGV[6] ~= '' then
   table.insert(entry, 'm'); table.insert(entry, ARGV[7])
 end
 redis.call('XADD', KEYS[2], total .. '-2', unpack(entry))
+redis.call('SREM', KEYS[4], req)
+if state == 'failed' and total == 0 and (ARGV[11] or '') ~= '' then
+  redis.call('HSET', req, 'payload', ARGV[11], 'tombstone', 1)
+  redis.call('HDEL', req, 'user_msg', 'cache_key')
+  redis.call('PEXPIRE', req, ARGV[10])
+  redis.call('PEXPIRE', KEYS[2], ARGV[10])
+  return 1
+end
 redis.call('PEXPIRE', req, ARGV[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
-redis.call('SREM', KEYS[4], req)
 local cache = nil
 if state == 'done' and f[5] and f[5] ~= '' then
   local entries = {}

@@ -111,7 +111,7 @@ def _soak(work: Path, requests: int) -> dict[str, Any]:
         valkey.stop()
 
 
-SECTIONS = ("engine", "e2e", "hostile", "idle", "cluster", "soak", "noisy")
+SECTIONS = ("engine", "e2e", "hostile", "flood", "idle", "cluster", "soak", "noisy")
 
 
 def _serve(work: Path) -> _Server:
@@ -180,6 +180,24 @@ def _hostile_run(work: Path, quick: bool) -> dict[str, Any]:
         return {"hostile": hostile}
 
 
+def _flood_run(work: Path, quick: bool) -> dict[str, Any]:
+    """Hostile clients on every door for a minute (issue 24) beside normal users; the load tool exits 1
+    when a target missed, which is a figure here, not a failure of the benchmark."""
+    _workload_args, users = _workload(quick)
+    out = work / "flood.json"
+    with _serve(work) as s:
+        assert s.proc is not None
+        cmd = _tw(
+            "load", s.urls[0], "--scenario", "flood", "--users", str(users // 4), "--duration", "20",
+            "--max-tokens", "32-96", "--prompt-words", "16-64", "--flood-clients", "4",
+            "--flood-duration", "30" if quick else "60", "--server-pid", str(s.proc.pid),
+            "--json", str(out), "--no-progress",
+        )  # fmt: skip
+        print("$", " ".join(cmd[2:]), flush=True)
+        subprocess.run(cmd, check=False, timeout=600)
+        return {"flood": json.loads(out.read_text())}
+
+
 def _idle(work: Path, quick: bool) -> dict[str, Any]:
     idle_n = 500 if quick else 5000
     with _serve(work) as s:
@@ -224,6 +242,7 @@ RUNNERS = {
     "engine": _engine,
     "e2e": _e2e,
     "hostile": _hostile_run,
+    "flood": _flood_run,
     "idle": _idle,
     "cluster": _cluster,
     "soak": lambda work, quick: {"soak": _soak(work, SOAK_REQUESTS // 10 if quick else SOAK_REQUESTS)},
@@ -437,6 +456,52 @@ def _hostile(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _flood(r: dict[str, Any]) -> list[str]:
+    h = r.get("flood")
+    if not h:
+        return []
+    f, a, w, met = h["flood"], h["alone"], h["flood"]["with_flood"], h["met"]
+    t = h["targets"]
+
+    def ok(key: str) -> str:
+        return "met" if met.get(key) else "missed"
+
+    return [
+        "",
+        "## A flood on every door (`tokenwire load URL --scenario flood`)",
+        "",
+        f"{h['config']['users']} users stream alone, then while {h['hostile_clients']} anonymous hostile",
+        f"WebSocket clients and {max(1, h['hostile_clients'] // 2)} HTTP clients of each kind run for",
+        f"{h['duration_s']:g} s: maximum-size content-mode and messages-mode chats as fast as the socket",
+        "takes them, resumes and 256-point `hello.resume`s past the caps, 1 MiB HTTP bodies and bodies",
+        f"trickled a byte at a time. {f['sent']:,} hostile frames and requests were sent; refusals by code:",
+        f"{f['refused']}.",
+        "",
+        "| run | requests ok / failed | tok/s | inter-token p50 ms | p99 ms | max ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| alone | {a['requests_ok']} / {a['requests_failed']} | {_f(a['tok_s'])} | {_f(a['itl_p50_ms'])} | "
+        f"{_f(a['itl_p99_ms'])} | {_f(a['itl_max_ms'])} |",
+        f"| during the flood | {w['requests_ok']} / {w['requests_failed']} | {_f(w['tok_s'])} | "
+        f"{_f(w['itl_p50_ms'])} | {_f(w['itl_p99_ms'])} | {_f(w['itl_max_ms'])} |",
+        "",
+        "| figure | measured | target | |",
+        "| --- | ---: | ---: | --- |",
+        f"| gateway RSS growth (peak minus before) | {_f(f['gateway_rss_growth_mb'])} MB | ≤ "
+        f"{t['gateway_rss_growth_mb']:g} MB | {ok('gateway_rss_growth_mb')} |",
+        f"| gateway RSS 30 s after, minus before | {_f(f['gateway_rss_after_mb'])} MB | ≤ "
+        f"{t['gateway_rss_after_mb']:g} MB | {ok('gateway_rss_after_mb')} |",
+        f"| normal users' max gap in the flood / p99 alone | {_f(f['normal_max_gap_over_p99'], 2)}x | ≤ "
+        f"{t['normal_max_gap_over_p99']:g}x | {ok('normal_max_gap_over_p99')} |",
+        f"| hostile frames unanswered within 2 s | {f['unanswered']} {f.get('unanswered_kinds') or ''} | 0 | "
+        f"{ok('unanswered')} |",
+        f"| normal requests completed | {w['requests_ok']} of {w['requests_ok'] + w['requests_failed']} | "
+        f"all | {ok('normal_complete')} |",
+        "",
+        "The gateway's RSS is the whole `tokenwire serve` process (gateway and worker): the worker's",
+        "preparation of admitted big prompts counts in it.",
+    ]
+
+
 def render(r: dict[str, Any], *, quick: bool = False) -> str:
     measured = r.get("measured") or {}
     lines = [
@@ -459,6 +524,7 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
     if "load32" in r:
         lines += _render_e2e(r)
     lines += _hostile(r)
+    lines += _flood(r)
     if "idle" in r:
         lines += _render_idle(r["idle"])
     if "soak" in r:

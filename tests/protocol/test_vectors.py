@@ -81,7 +81,7 @@ def test_every_frame_type_is_covered() -> None:
     client = {v["frame"]["type"] for v in VALID if v["direction"] == "client"}
     server = {v["frame"]["type"] for v in VALID if v["direction"] == "server"}
     assert client == {"hello", "chat", "resume", "cancel", "ping"}
-    assert server == {"welcome", "accepted", "delta", "done", "error", "pong"}
+    assert server == {"welcome", "accepted", "waiting", "delta", "done", "error", "pong"}
     reasons = {v["frame"]["finish_reason"] for v in VALID if v["frame"]["type"] == "done"}
     assert reasons == {"stop", "length", "cancelled", "error"}
     frames = [v["frame"] for v in VALID]

@@ -24,6 +24,7 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 64
 MAX_MAX_TOKENS = 8192
 MAX_RESUME_POINTS = 256
+MAX_COALESCE_MS = 1000  # hello.coalesce_ms: at most one delta per stream a second
 MAX_TOKEN_CHARS = 4096
 ROLES = ("system", "user", "assistant")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -132,6 +133,8 @@ class Hello:
     token: str | None = None
     session_token: str | None = None
     resume: tuple[ResumePoint, ...] = ()
+    # Deltas of one stream at most every this many ms (SPEC §4.1): fewer frames for a phone's radio.
+    coalesce_ms: int | None = None
     type: Literal["hello"] = "hello"
 
     def to_wire(self) -> Wire:
@@ -142,6 +145,8 @@ class Hello:
             d["session_token"] = self.session_token
         if self.resume:
             d["resume"] = [p.to_wire() for p in self.resume]
+        if self.coalesce_ms is not None:
+            d["coalesce_ms"] = self.coalesce_ms
         return d
 
 
@@ -288,7 +293,10 @@ def _parse_hello(raw: Mapping[str, Any]) -> Hello:
             pid = _req_id(p, f"resume[{i}].id")
             off = _offset(p.get("offset"), f"resume[{i}].offset", pid)
             points.append(ResumePoint(pid, off, _epoch(p.get("epoch"), f"resume[{i}].epoch", pid)))
-    return Hello(v=v, token=token, session_token=session_token, resume=tuple(points))
+    coalesce = raw.get("coalesce_ms")
+    if coalesce is not None and (not _is_int(coalesce) or not 0 <= coalesce <= MAX_COALESCE_MS):
+        raise _bad(f"coalesce_ms: an integer from 0 to {MAX_COALESCE_MS} (ms), got {_short(coalesce)}")
+    return Hello(v=v, token=token, session_token=session_token, resume=tuple(points), coalesce_ms=coalesce)
 
 
 def _parse_params(pv: object, id: str) -> Params:

@@ -193,7 +193,7 @@ export class TokenwireClient extends Emitter {
   /**
    * @param url ws:// or wss:// URL of /v1/ws (a path like "/v1/ws" is resolved against the page in browsers)
    * @param options see index.d.ts (token, storage, storageKey, subprotocols, WebSocket, msgpack,
-   *   backoff, heartbeat, connectTimeoutMs, autoConnect)
+   *   backoff, heartbeat, connectTimeoutMs, autoConnect, coalesceMs)
    */
   constructor(url, options = {}) {
     super();
@@ -204,6 +204,7 @@ export class TokenwireClient extends Emitter {
       throw new TypeError("no WebSocket implementation: pass options.WebSocket (e.g. the `ws` package in Node)");
     }
     this.#msgpack = options.msgpack ?? null;
+    if (options.coalesceMs != null) F.hello({ coalesceMs: options.coalesceMs }); // checks the range now
     this.#subprotocols = subprotocolsFrom(options.subprotocols, !!this.#msgpack);
     this.#storage = options.storage === undefined ? defaultStorage() : options.storage;
     this.#storageKey = options.storageKey ?? `tokenwire:session_token:${typeof url === "function" ? "default" : this.#url}`;
@@ -500,7 +501,12 @@ export class TokenwireClient extends Emitter {
       }
     }
     conn.helloSession = this.#sessionToken;
-    const hello = F.hello({ token: conn.token ?? undefined, sessionToken: conn.helloSession, resume: points });
+    const hello = F.hello({
+      token: conn.token ?? undefined,
+      sessionToken: conn.helloSession,
+      resume: points,
+      coalesceMs: this.#opts.coalesceMs,
+    });
     if (points.length) this.emit("resume", { points });
     this.#sendOn(conn, hello);
     this.#startHeartbeat(conn);

@@ -50,8 +50,16 @@ function isInt(v) {
   return (typeof v === "number" && Number.isInteger(v)) || typeof v === "bigint";
 }
 
-export function hello({ token, sessionToken, resume } = {}) {
+export const MAX_COALESCE_MS = 1000;
+
+export function hello({ token, sessionToken, resume, coalesceMs } = {}) {
   const f = { type: "hello", v: PROTOCOL_VERSION };
+  if (coalesceMs != null && coalesceMs !== 0) {
+    if (!Number.isInteger(coalesceMs) || coalesceMs < 0 || coalesceMs > MAX_COALESCE_MS) {
+      throw new RangeError(`coalesceMs: an integer from 0 to ${MAX_COALESCE_MS}`);
+    }
+    f.coalesce_ms = coalesceMs;
+  }
   if (token != null) f.token = checkString(token, "token", MAX_TOKEN_CHARS);
   if (sessionToken != null && sessionToken !== "") f.session_token = checkString(sessionToken, "session_token", MAX_TOKEN_CHARS);
   if (resume && resume.length) {
@@ -180,7 +188,7 @@ export function ping(ts) {
 export function toWire(frame) {
   switch (frame.type) {
     case "hello":
-      return hello({ token: frame.token, sessionToken: frame.session_token, resume: frame.resume });
+      return hello({ token: frame.token, sessionToken: frame.session_token, resume: frame.resume, coalesceMs: frame.coalesce_ms });
     case "chat":
       return chat(frame);
     case "resume":

@@ -177,6 +177,12 @@ export interface WebSocketLike {
 export type WebSocketConstructor = new (url: string, protocols: string[]) => WebSocketLike;
 
 export interface ClientOptions {
+  /**
+   * Ask the server for at most one delta per stream every this many ms (`hello.coalesce_ms`, 0-1000;
+   * default 0: every delta as it comes). Fewer frames wake a phone's radio less; offsets stay exact,
+   * so text and resume are unchanged. 100 suits mobile networks.
+   */
+  coalesceMs?: number;
   /** HS256 JWT for servers with auth on, or a function returning one (called on every connect). */
   token?: string | (() => string | Promise<string>);
   /** Where the session token is kept (default: localStorage in browsers, memory elsewhere; null: nowhere). */

@@ -79,6 +79,7 @@ def client_frames() -> list[tuple[str, ClientFrame]]:
         ("hello_minimal", Hello()),
         ("hello_token", Hello(token=JWT)),
         ("hello_session_token", Hello(session_token=SESSION_TOKEN)),
+        ("hello_coalesce", Hello(coalesce_ms=100)),
         (
             "hello_resume",
             Hello(
@@ -353,6 +354,7 @@ _MSGPACK_INVALID: list[tuple[str, bytes | str, str, str | None]] = [
     ("ping_ts_nan", _mp({"type": "ping", "ts": math.nan}), "bad_frame", None),
     # hello
     ("hello_missing_v", _mp({"type": "hello"}), "bad_frame", None),
+    ("hello_coalesce_too_big", _mp({"type": "hello", "v": 1, "coalesce_ms": 1001}), "bad_frame", None),
     ("hello_v_string", _mp({"type": "hello", "v": "1"}), "bad_frame", None),
     ("hello_v_boolean", _mp({"type": "hello", "v": True}), "bad_frame", None),
     ("hello_v_float", _mp({"type": "hello", "v": 1.0}), "bad_frame", None),

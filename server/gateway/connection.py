@@ -62,6 +62,7 @@ class Connection:
         self.session = ""
         self.owner = ""
         self.weight = 1.0  # fair-share weight from the JWT tier claim
+        self.coalesce_s = 0.0  # hello.coalesce_ms: at most one delta per stream this often
         self.limits = core.admission.connection()
         self._attached: dict[str, asyncio.Task[None]] = {}
         self._waiting: set[asyncio.Task[None]] = set()  # content turns waiting for the previous turn
@@ -226,6 +227,7 @@ class Connection:
             session = sessions.new_id()
         self.session = session
         self.owner = sessions.owner_for(session, self.user)
+        self.coalesce_s = (hello.coalesce_ms or 0) / 1000
         self.log = self.log.bind(session=session, user=self.user)
         await sessions.touch(session, self.owner)
         self.proto.send(
@@ -347,6 +349,10 @@ class Connection:
                         await self._send(Delta(id=id, offset=expected, n=n, text=text))
                         expected += n
                     end = batch[-1]
+                    if self.coalesce_s and end.finish is None and sub.queue.empty():
+                        # What arrives meanwhile goes out as one delta (whole log entries: offsets and
+                        # resume points are unchanged). A replay that is behind does not wait.
+                        await asyncio.sleep(self.coalesce_s)
                     if end.finish is not None:
                         if self._attached.get(id) is not me:
                             # Replaced while the delta went out (a cancel that arrived as the send

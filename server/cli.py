@@ -131,6 +131,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             ui_connect=tuple(getattr(args, "ui_connect", None) or ()),
             fallbacks=tuple(getattr(args, "fallback", None) or ()),
             max_streams_per_user=getattr(args, "max_streams_per_user", 256),
+            chat_bytes_per_connection=getattr(args, "chat_bytes_per_connection", 1 << 20),
             max_waiting_turns_per_session=getattr(args, "max_waiting_turns", 2),
             http_request_timeout_s=getattr(args, "http_request_timeout", 30.0),
             max_http_connections=getattr(args, "max_http_connections", 4096),
@@ -298,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
             type=int,
             default=256,
             help="streams one user may have attached to this gateway at once (default 256)",
+        )
+        a.add_argument(
+            "--chat-bytes-per-connection",
+            type=int,
+            default=1 << 20,
+            help="bytes of chat text per second per connection (HTTP: per user), bursts of twice that "
+            "(default 1 MiB)",
         )
         a.add_argument(
             "--max-waiting-turns",

@@ -14,7 +14,8 @@ content, until the door releases it; releasing is idempotent.
 
 What is checked, cheapest first (SPEC.md §6):
 
-1. the connection's token bucket for chats or resumes (WebSocket doors);
+1. the connection's token bucket for chats or resumes (WebSocket doors), and for the bytes of chat text
+   (per connection; per owner on this gateway for HTTP);
 2. streams attached or reserved on the connection (``max_streams``) and for the owner on this gateway;
 3. for a waiting turn: turns waiting in its session, waiting bytes on this gateway, and the queue depth
    (a turn that would be refused ``overloaded`` once its wait ends is refused now);
@@ -41,24 +42,26 @@ Kind = Literal["chat", "resume"]
 
 @dataclass(slots=True)
 class TokenBucket:
-    """``rate`` actions per second with bursts of ``burst``; local to one connection."""
+    """``rate`` per second with bursts of ``burst``; local to one connection (or gateway)."""
 
     rate: float
     burst: float
-    tokens: float = field(default=-1.0)
+    tokens: float = field(default=float("nan"))  # starts full
     at: float = field(default_factory=time.monotonic)
 
-    def take(self) -> int:
-        """0 if allowed, else how many ms until one more is allowed."""
+    def take(self, cost: float = 1.0) -> int:
+        """0 if allowed (``cost`` taken), else how many ms until it would be. A cost above the burst is
+        allowed once the bucket is full, leaving it in debt, so no single action is refused for ever."""
         now = time.monotonic()
-        if self.tokens < 0:
+        if self.tokens != self.tokens:  # NaN: first use
             self.tokens = self.burst
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens >= 1:
-            self.tokens -= 1
+        need = min(cost, self.burst)
+        if self.tokens >= need:
+            self.tokens -= cost
             return 0
-        return max(1, int((1 - self.tokens) / self.rate * 1000))
+        return max(1, int((need - self.tokens) / self.rate * 1000))
 
 
 def limited(id: str | None, what: str, retry_after_ms: int) -> ProtocolError:
@@ -78,6 +81,10 @@ class ConnectionLimits:
         # every stream it may hold (a hello.resume of max_streams points).
         rrate = st.resume_rate_per_connection
         self.resumes = TokenBucket(rate=rrate, burst=max(2 * rrate, float(st.max_streams_per_connection)))
+        # The text a connection's chats carry, per second: a 1 MiB chat costs as much as 1,000 small ones
+        # to store, prepare and template, so the chat rate alone would let one socket push 10 MiB/s.
+        brate = float(st.chat_bytes_per_connection)
+        self.chat_bytes = TokenBucket(rate=brate, burst=2 * brate)
         self.streams: dict[str, int] = {}  # id -> grants holding a stream of it on this connection
 
     def count(self) -> int:
@@ -100,6 +107,7 @@ class Ask:
     stream: bool = True
     waits: bool = False
     held_bytes: int = 0
+    text_bytes: int = 0  # the chat's text (content or messages): charged to the byte rate
 
 
 class Grant:
@@ -154,6 +162,7 @@ class Admission:
         self.streams_by_owner: dict[str, int] = {}
         self.waiting_by_session: dict[str, int] = {}
         self.waiting_bytes = 0
+        self.bytes_by_owner: dict[str, TokenBucket] = {}  # HTTP callers' chat text per second
 
     @property
     def max_frame_bytes(self) -> int:
@@ -194,10 +203,25 @@ class Admission:
             if wait:
                 what = "chats" if ask.kind == "chat" else "resumes"
                 raise limited(ask.id, f"too many {what} on this connection", wait)
+            if ask.text_bytes:
+                wait = conn.chat_bytes.take(ask.text_bytes)
+                if wait:
+                    raise limited(ask.id, "too much chat text on this connection", wait)
             cap = st.max_streams_per_connection
             # A new chat/resume of an id already streaming here replaces that stream (SPEC §8.9).
             if ask.stream and conn.count() >= cap and ask.id not in conn.streams:
                 raise limited(ask.id, f"at most {cap} streams per connection", 1000)
+        elif ask.text_bytes:
+            # Doors without a connection of their own (HTTP): the owner's share of this gateway.
+            bucket = self.bytes_by_owner.get(ask.owner)
+            if bucket is None:
+                rate = float(st.chat_bytes_per_connection)
+                bucket = self.bytes_by_owner[ask.owner] = TokenBucket(rate=rate, burst=2 * rate)
+                if len(self.bytes_by_owner) > 10_000:  # bounded: forget the oldest owners
+                    self.bytes_by_owner.pop(next(iter(self.bytes_by_owner)))
+            wait = bucket.take(ask.text_bytes)
+            if wait:
+                raise limited(ask.id, "too much chat text for this user", wait)
         if ask.stream and self.streams_by_owner.get(ask.owner, 0) >= st.max_streams_per_user:
             raise limited(ask.id, f"at most {st.max_streams_per_user} streams per user on this server", 1000)
         self._check_waiting(ask)

@@ -135,7 +135,7 @@ class Connection:
         else:
             self.proto.send_error(err)
 
-    def _ask(self, kind: Kind, id: str, held_bytes: int = 0) -> Ask:
+    def _ask(self, kind: Kind, id: str, held_bytes: int = 0, text_bytes: int = 0) -> Ask:
         return Ask(
             kind,
             self.owner,
@@ -144,6 +144,7 @@ class Connection:
             session=self.session,
             weight=self.weight,
             held_bytes=held_bytes,
+            text_bytes=text_bytes,
         )
 
     async def _chat_frame(self, chat: Chat) -> None:
@@ -163,7 +164,9 @@ class Connection:
             return pending
 
         held = len(chat.content.encode()) if chat.content is not None else 0
-        grant = await self.core.admission.admit(self._ask("chat", chat.id, held_bytes=held), waits=waits)
+        text = held or sum(len(m.content.encode()) for m in chat.messages or ())
+        ask = self._ask("chat", chat.id, held_bytes=held, text_bytes=text)
+        grant = await self.core.admission.admit(ask, waits=waits)
         if not grant.waiting:
             await self._chat(chat, grant)
             return

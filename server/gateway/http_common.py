@@ -241,12 +241,16 @@ class HttpCore:
         assert isinstance(frame, Chat)
         return frame
 
-    async def admit(self, caller: Caller, id: str, *, kind: Kind = "chat", stream: bool = True) -> Grant:
+    async def admit(
+        self, caller: Caller, id: str, *, kind: Kind = "chat", stream: bool = True, chat: Chat | None = None
+    ) -> Grant:
         """The admission step (admission.py) for a call about request ``id``; ``stream``: the call will
-        follow the log. Raises ApiError 429 / 503 with Retry-After."""
+        follow the log; ``chat``: what it asks for (its text counts against the byte rate). Raises
+        ApiError 429 / 503 with Retry-After."""
+        text = sum(len(m.content.encode()) for m in chat.messages or ()) if chat is not None else 0
         try:
             return await self.core.admission.admit(
-                Ask(kind, caller.owner, id, weight=caller.weight, stream=stream)
+                Ask(kind, caller.owner, id, weight=caller.weight, stream=stream, text_bytes=text)
             )
         except ProtocolError as exc:
             raise api_error(exc) from None

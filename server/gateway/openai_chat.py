@@ -125,7 +125,7 @@ class ChatCompletions:
         params["model"] = model  # chooses the model as params.model does (unknown: 404)
         id, keyed = api.request_id(req)
         chat = api.to_chat(id, messages, params)
-        grant = await api.admit(caller, id)  # the one admission step, before anything is held
+        grant = await api.admit(caller, id, chat=chat)  # the one admission step, before anything is held
         try:
             model = (await api.submit(caller, chat, grant, kind="chat", extra={})).model  # after any fallback
             cid = f"chatcmpl-{id}"

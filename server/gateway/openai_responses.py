@@ -221,7 +221,7 @@ class Responses:
         }
         kind = "responses"
         # The one admission step; a background response that is not streamed holds no stream.
-        grant = await api.admit(caller, id, stream=stream or not background)
+        grant = await api.admit(caller, id, stream=stream or not background, chat=chat)
         try:
             await api.submit(caller, chat, grant, kind=kind, extra=extra, background=background)
             rid = PREFIX + id

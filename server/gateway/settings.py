@@ -22,6 +22,9 @@ class GatewaySettings:
     chat_rate_per_connection: float = 10.0  # chats per second, bursts of twice that
     chat_rate_per_user: int = 50  # chats per second per user, across all gateways
     max_streams_per_connection: int = 64  # requests one connection may follow at once
+    # Bytes of chat text (content or messages) per second per connection, bursts of twice that: the
+    # default lets a 1 MiB chat through once a second, and small chats at the chat rate.
+    chat_bytes_per_connection: int = 1 << 20
     resume_rate_per_connection: float = 10.0  # resumes per second, bursts of max(2 x that, max_streams)
     resume_rate_per_user: int = 200  # resumes per second per user, across all gateways
     # Streams one owner may have attached to this gateway at once, over all its connections and doors

@@ -266,8 +266,15 @@ def _byte_level_spec(**change: Any) -> dict[str, Any]:
         {"pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always"}},
         {
             "added_tokens": [
-                {"id": 9, "content": "x", "single_word": False, "lstrip": True, "rstrip": False,
-                 "normalized": False, "special": False}
+                {
+                    "id": 9,
+                    "content": "x",
+                    "single_word": False,
+                    "lstrip": True,
+                    "rstrip": False,
+                    "normalized": False,
+                    "special": False,
+                }
             ]
         },
     ],

@@ -279,3 +279,29 @@ async def test_the_core_refuses_to_run_without_a_grant(server: Running) -> None:
     with pytest.raises(RuntimeError, match="one submit"):
         await core.submitter.submit(req, grant)
     assert isinstance(core.submitter, Submitter) and isinstance(core.streams, Streams)
+
+
+async def test_chat_text_is_rated_in_bytes_per_connection_and_per_http_owner(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    # Ten 900 KB chats a second fit the chat rate, but they cost the store, the worker and the template
+    # a thousand small ones each: the byte rate lets a big chat through about once a second.
+    gw = GatewaySettings(port=0, chat_bytes_per_connection=100_000)
+    async with running_server(redis, redis_url, keys, gateway=gw) as server:
+        c = await Client.connect(server.url)
+        big = (Message("user", "x" * 150_000),)
+        await c.send(Chat(id="b1", messages=big, params=Params(max_tokens=2)))
+        await c.send(Chat(id="b2", messages=big, params=Params(max_tokens=2)))
+        await c.send(Chat(id="small", messages=(Message("user", "hi"),), params=Params(max_tokens=2)))
+        answers = await _answers(c, ["b1", "b2", "small"], 3.0)
+        assert isinstance(answers["b1"][0], Accepted)
+        refused = answers["b2"][0]
+        assert isinstance(refused, Error) and refused.code == "rate_limited" and "text" in refused.message
+        assert 0 < (refused.retry_after_ms or 0) <= 2000
+        await c.close()
+        body = {"model": "default", "messages": [{"role": "user", "content": "y" * 150_000}], "max_tokens": 2}
+        raw = json.dumps(body).encode()
+        first = await _http(server.port, "POST", "/v1/chat/completions", raw)
+        second = await _http(server.port, "POST", "/v1/chat/completions", raw)
+        assert first[0] == 200 and second[0] == 429
+        assert "text" in json.loads(second[2])["error"]["message"]

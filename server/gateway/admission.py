@@ -85,6 +85,9 @@ class ConnectionLimits:
         # to store, prepare and template, so the chat rate alone would let one socket push 10 MiB/s.
         brate = float(st.chat_bytes_per_connection)
         self.chat_bytes = TokenBucket(rate=brate, burst=2 * brate)
+        # Every byte read, frames of any kind: twice the chat text's rate, paced rather than refused. It
+        # starts with 64 KiB of credit, so a client gains nothing by opening connection after connection.
+        self.ingress = TokenBucket(rate=2 * brate, burst=4 * brate, tokens=min(64 * 1024, 2 * brate))
         self.streams: dict[str, int] = {}  # id -> grants holding a stream of it on this connection
 
     def count(self) -> int:

@@ -73,6 +73,12 @@ class Connection:
     async def run(self) -> None:
         try:
             async for message in self.ws:
+                # Reading is paced: a connection that sends more bytes a second than its budget waits
+                # here, websockets stops reading once a few frames are queued, and TCP pushes back on the
+                # sender. So one socket cannot keep the gateway busy parsing frames for everyone else.
+                wait = self.limits.ingress.take(len(message))
+                if wait:
+                    await asyncio.sleep(wait / 1000)
                 self.proto.receive_data(message)
                 for frame in self.proto.events_received():
                     await self._handle(frame)
@@ -163,8 +169,8 @@ class Connection:
                 after.append(prev)
             return pending
 
-        held = len(chat.content.encode()) if chat.content is not None else 0
-        text = held or sum(len(m.content.encode()) for m in chat.messages or ())
+        held = len(chat.content) if chat.content is not None else 0  # characters: near enough
+        text = held or sum(len(m.content) for m in chat.messages or ())
         ask = self._ask("chat", chat.id, held_bytes=held, text_bytes=text)
         grant = await self.core.admission.admit(ask, waits=waits)
         if not grant.waiting:

@@ -247,7 +247,7 @@ class HttpCore:
         """The admission step (admission.py) for a call about request ``id``; ``stream``: the call will
         follow the log; ``chat``: what it asks for (its text counts against the byte rate). Raises
         ApiError 429 / 503 with Retry-After."""
-        text = sum(len(m.content.encode()) for m in chat.messages or ()) if chat is not None else 0
+        text = sum(len(m.content) for m in chat.messages or ()) if chat is not None else 0
         try:
             return await self.core.admission.admit(
                 Ask(kind, caller.owner, id, weight=caller.weight, stream=stream, text_bytes=text)

@@ -60,6 +60,9 @@ class HttpResponse:
             cb()
 
 
+INGRESS_START = 64 * 1024  # bytes a new connection may send before its pace applies
+
+
 class ConnectionCaps:
     """HTTP connections open on this gateway, in all and per peer address."""
 
@@ -105,6 +108,7 @@ class HttpConnection(asyncio.Protocol):
         idle_timeout_s: float,
         write_timeout_s: float,
         request_timeout_s: float = 30.0,
+        ingress_bytes_per_s: float = 2 << 20,
         registry: set[HttpConnection] | None = None,
         caps: ConnectionCaps | None = None,
     ) -> None:
@@ -118,6 +122,14 @@ class HttpConnection(asyncio.Protocol):
         self.caps = caps
         self._peer: str | None = None  # counted in caps while set
         self._refuse = 0  # the status this connection is refused with (caps), 0 if it is not
+        # Bytes read are paced (bursts of twice the rate): past it, reading pauses and TCP pushes back,
+        # so a client sending bodies back to back cannot keep the gateway parsing them for everyone.
+        # A new connection starts with little credit (INGRESS_START bytes), so opening connection after
+        # connection buys no burst.
+        self._ingress_rate = ingress_bytes_per_s
+        self._ingress_tokens = float(min(INGRESS_START, ingress_bytes_per_s))
+        self._ingress_at = 0.0
+        self._paused = False
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
         self.transport: asyncio.Transport | None = None
         self._data = asyncio.Event()
@@ -148,9 +160,30 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discard:
             return
+        self._pace(len(data))
         with contextlib.suppress(h11.RemoteProtocolError):  # surfaces from next_event() in _run
             self.h11.receive_data(data)
         self._data.set()
+
+    def _pace(self, n: int) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        burst = 2 * self._ingress_rate
+        if self._ingress_at:
+            self._ingress_tokens = min(
+                burst, self._ingress_tokens + (now - self._ingress_at) * self._ingress_rate
+            )
+        self._ingress_at = now
+        self._ingress_tokens -= n
+        if self._ingress_tokens < 0 and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+            loop.call_later(-self._ingress_tokens / self._ingress_rate, self._unpause)
+
+    def _unpause(self) -> None:
+        self._paused = False
+        if self.transport is not None and not self._closed:
+            self.transport.resume_reading()
 
     def eof_received(self) -> bool | None:
         # A client that half-closes is gone as far as streaming goes: treat EOF as a disconnect.

@@ -228,6 +228,37 @@ test("cancel ends the stream with finish reason cancelled, at the tokens generat
   assert.deepEqual(c.sent.filter((f) => f.type === "cancel"), [{ type: "cancel", id: stream.id }]);
 });
 
+test("a content-mode turn sent while the previous one runs is shown waiting, then streams", async () => {
+  const c = newClient(server.url);
+  const waits = [];
+  c.on("waiting", (ev) => waits.push(ev));
+  const first = c.chat("Tell me about the sea", { max_tokens: 48, seed: 1, cache: false });
+  const second = c.chat("And the mountains?", { max_tokens: 8, seed: 2, cache: false });
+  const states = new Set();
+  const watch = setInterval(() => states.add(second.state), 5);
+  try {
+    const [a, b] = await Promise.all([consume(first), consume(second)]);
+    assertContiguous(a);
+    assertContiguous(b);
+  } finally {
+    clearInterval(watch);
+  }
+  assert.deepEqual(waits, [{ id: second.id, after: first.id }]);
+  assert.ok(states.has("waiting"), `states seen: ${[...states]}`);
+  assert.equal(second.state, "done");
+  c.close();
+});
+
+test("coalesceMs is sent in the hello and checked before anything is sent", async () => {
+  const c = newClient(server.url, { coalesceMs: 100 });
+  await c.connect();
+  assert.equal(c.sent[0].coalesce_ms, 100);
+  const run = await consume(c.chat(MESSAGES, { max_tokens: 16, seed: 4, cache: false }));
+  assertContiguous(run);
+  c.close();
+  assert.throws(() => newClient(server.url, { coalesceMs: 5000, autoConnect: false }), RangeError);
+});
+
 test("a repeated deterministic request may come from the response cache: same text, state done", async () => {
   const c = newClient(server.url);
   const accepted = [];

@@ -23,7 +23,8 @@ import structlog
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
 from protocol.frames import MAX_MODEL_CHARS
-from server.gateway.admission import Ask, Grant, Kind
+from server.gateway.admission import Ask, ConnectionLimits, Grant, Kind
+from server.gateway.auth import authenticate_user
 from server.gateway.core import GatewayCore
 from server.gateway.http_conn import HttpRequest, HttpResponse
 from server.gateway.models import DEFAULT_ALIAS
@@ -148,6 +149,27 @@ class Caller:
     weight: float = 1.0  # fair-share weight from the JWT tier claim, as on the WebSocket
 
 
+def caller_of(authorization: str, secret: str | None) -> Caller:
+    """The owner, as on the WebSocket protocol: the JWT's ``sub`` when auth is on (``secret``). With auth
+    off the bearer key (any string, e.g. the SDK's api_key) scopes the requests, so two clients with
+    different keys cannot see each other's; without one every anonymous caller shares one owner. Used by
+    every OpenAI door: an HTTP request's and a Responses WebSocket handshake's ``Authorization``."""
+    scheme, _, token = authorization.partition(" ")
+    bearer = token.strip() if scheme.lower() == "bearer" else ""
+    if secret is not None:
+        try:
+            user, weight = authenticate_user(bearer or None, secret)
+        except ProtocolError as exc:
+            raise ApiError(
+                401, exc.message.replace("hello.token", "Authorization"), code="invalid_api_key"
+            ) from None
+        assert user is not None
+        return Caller(owner=user, user=user, weight=weight)
+    if not bearer:
+        return Caller(owner="http:anonymous", user=None)
+    return Caller(owner="http:" + hashlib.sha256(bearer.encode()).hexdigest()[:32], user=None)
+
+
 def check_fields(body: dict[str, Any], supported: set[str], neutral: dict[str, Any]) -> None:
     """A 400 for the first field tokenwire would otherwise have to ignore (null counts as absent)."""
     for key, value in body.items():
@@ -242,15 +264,23 @@ class HttpCore:
         return frame
 
     async def admit(
-        self, caller: Caller, id: str, *, kind: Kind = "chat", stream: bool = True, chat: Chat | None = None
+        self,
+        caller: Caller,
+        id: str,
+        *,
+        kind: Kind = "chat",
+        stream: bool = True,
+        chat: Chat | None = None,
+        conn: ConnectionLimits | None = None,
     ) -> Grant:
         """The admission step (admission.py) for a call about request ``id``; ``stream``: the call will
-        follow the log; ``chat``: what it asks for (its text counts against the byte rate). Raises
-        ApiError 429 / 503 with Retry-After."""
+        follow the log; ``chat``: what it asks for (its text counts against the byte rate); ``conn``: the
+        limits of the caller's own connection (a WebSocket door). Raises ApiError 429 / 503 with
+        Retry-After."""
         text = sum(len(m.content) for m in chat.messages or ()) if chat is not None else 0
         try:
             return await self.core.admission.admit(
-                Ask(kind, caller.owner, id, weight=caller.weight, stream=stream, text_bytes=text)
+                Ask(kind, caller.owner, id, conn=conn, weight=caller.weight, stream=stream, text_bytes=text)
             )
         except ProtocolError as exc:
             raise api_error(exc) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import re
 import time
@@ -332,3 +333,45 @@ async def test_a_kept_alive_api_connection_still_gets_health_answers(server: Run
     rest = await asyncio.wait_for(reader.read(), 10)  # answered, then closed
     writer.close()
     assert rest.startswith(b"HTTP/1.1 200") and rest.endswith(b"ok\n")
+
+
+async def test_response_events_have_unique_increasing_sequence_numbers_and_resume_after_any(
+    server: Running,
+) -> None:
+    server.engine.reply_len = 9
+    client = sdk(server)
+    r = await client.responses.create(model="default", input="count", background=True)
+    while (await client.responses.retrieve(r.id)).status in ("queued", "in_progress"):  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
+    full = [ev async for ev in await client.responses.retrieve(r.id, stream=True)]
+    seqs = [ev.sequence_number for ev in full]
+    assert seqs[0] == 0 and all(a < b for a, b in itertools.pairwise(seqs))  # the replay from 0
+    assert [ev.type for ev in full][-2:] == ["response.output_item.done", "response.completed"]
+    whole = "".join(ev.delta for ev in full if ev.type == "response.output_text.delta")
+    assert whole == (await client.responses.retrieve(r.id)).output_text
+    for cut, ev in enumerate(full):
+        before = "".join(e.delta for e in full[: cut + 1] if e.type == "response.output_text.delta")
+        # The server resumes after N ...
+        rest = [
+            e
+            async for e in await client.responses.retrieve(
+                r.id, stream=True, starting_after=ev.sequence_number
+            )
+        ]
+        assert [e.sequence_number for e in rest] == seqs[cut + 1 :]
+        assert before + "".join(e.delta for e in rest if e.type == "response.output_text.delta") == whole
+        # ... and the SDK's own resume (it reads from 0 and drops what is not after N) gets the rest too.
+        async with client.responses.stream(response_id=r.id, starting_after=ev.sequence_number) as stream:
+            got = [e async for e in stream]
+            final = await stream.get_final_response()
+        assert [e.sequence_number for e in got] == seqs[cut + 1 :]
+        assert final.output_text == whole
+
+
+async def test_starting_after_past_the_last_event_is_refused(server: Running) -> None:
+    client = sdk(server)
+    r = await client.responses.create(model="default", input="short", max_output_tokens=3)
+    last = [ev async for ev in await client.responses.retrieve(r.id, stream=True)][-1].sequence_number
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.responses.retrieve(r.id, stream=True, starting_after=last + 1)
+    assert err.value.body["param"] == "starting_after"  # type: ignore[index]

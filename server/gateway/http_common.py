@@ -149,6 +149,20 @@ class Caller:
     weight: float = 1.0  # fair-share weight from the JWT tier claim, as on the WebSocket
 
 
+# OpenAI's sampling fields: a call that sets any of them chose how it samples.
+OPENAI_SAMPLING = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
+
+
+def openai_sampling(params: dict[str, Any]) -> dict[str, Any]:
+    """The sampling an OpenAI client asked for, and only that. OpenAI has no repetition penalty, and the
+    server's default one (server/defaults.py) is part of the defaults a client that chose nothing gets:
+    a call that sets any of OPENAI_SAMPLING gets repetition_penalty 1.0 (off) unless it sends one, so
+    ``temperature: 0`` is plain greedy decoding and the penalties it sends are the only ones."""
+    if "repetition_penalty" in params or not any(k in params for k in OPENAI_SAMPLING):
+        return params
+    return {**params, "repetition_penalty": 1.0}
+
+
 def caller_of(authorization: str, secret: str | None) -> Caller:
     """The owner, as on the WebSocket protocol: the JWT's ``sub`` when auth is on (``secret``). With auth
     off the bearer key (any string, e.g. the SDK's api_key) scopes the requests, so two clients with
@@ -182,6 +196,22 @@ def check_fields(body: dict[str, Any], supported: set[str], neutral: dict[str, A
         raise bad(
             f"{what} {key[:60]!r}: tokenwire does not do this", param=key[:60], code="unsupported_parameter"
         )
+
+
+def check_metadata(metadata: object) -> dict[str, str]:
+    """OpenAI's ``metadata``: at most 16 short string pairs."""
+    if metadata is None:
+        return {}
+    if (
+        not isinstance(metadata, dict)
+        or len(metadata) > 16
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in metadata.items()
+        )
+    ):
+        raise bad("metadata: at most 16 string keys (64 chars) and string values (512)", "metadata")
+    return metadata
 
 
 def text_content(content: object, where: str, part_types: tuple[str, ...]) -> str:
@@ -255,7 +285,7 @@ class HttpCore:
     @staticmethod
     def to_chat(id: str, messages: list[dict[str, str]], params: dict[str, Any]) -> Chat:
         """The tokenwire chat this call means, validated exactly as a WebSocket ``chat`` frame."""
-        raw = {"type": "chat", "id": id, "messages": messages, "params": params}
+        raw = {"type": "chat", "id": id, "messages": messages, "params": openai_sampling(params)}
         try:
             frame = parse_client_frame(raw)
         except ProtocolError as exc:

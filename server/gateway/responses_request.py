@@ -10,12 +10,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol import Chat
-from server.gateway.http_common import ApiError, Caller, HttpCore, bad, check_fields, text_content
+from server.gateway.http_common import (
+    ApiError,
+    Caller,
+    HttpCore,
+    bad,
+    check_fields,
+    check_metadata,
+    text_content,
+)
 from server.gateway.responses_events import PREFIX
 from server.store.requests import RequestView
 
 SUPPORTED = {
     "model",
+    "repetition_penalty",  # tokenwire's extension (the SDK's extra_body), as on chat completions
     "input",
     "instructions",
     "max_output_tokens",
@@ -74,21 +83,6 @@ def input_messages(value: object) -> list[dict[str, str]]:
                     )
         out.append({"role": ROLES[role], "content": text_content(content, f"{where}.content", TEXT_PARTS)})
     return out
-
-
-def check_metadata(metadata: object) -> dict[str, str]:
-    if metadata is None:
-        return {}
-    if (
-        not isinstance(metadata, dict)
-        or len(metadata) > 16
-        or not all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-            for k, v in metadata.items()
-        )
-    ):
-        raise bad("metadata: at most 16 string keys (64 chars) and string values (512)", "metadata")
-    return metadata
 
 
 def check_body(body: dict[str, Any]) -> None:
@@ -175,6 +169,7 @@ async def plan_create(
         ("max_output_tokens", "max_tokens"),
         ("temperature", "temperature"),
         ("top_p", "top_p"),
+        ("repetition_penalty", "repetition_penalty"),
     ):
         if body.get(key) is not None:
             params[wire] = body[key]

@@ -375,3 +375,57 @@ async def test_starting_after_past_the_last_event_is_refused(server: Running) ->
     with pytest.raises(openai.BadRequestError) as err:
         await client.responses.retrieve(r.id, stream=True, starting_after=last + 1)
     assert err.value.body["param"] == "starting_after"  # type: ignore[index]
+
+
+async def _params(server: Running, owner_key: str, id: str) -> dict[str, object]:
+    owner = "http:" + hashlib.sha256(owner_key.encode()).hexdigest()[:32]
+    view = await server.store.view(owner, id)
+    assert view is not None
+    return dict(view.payload["params"])
+
+
+async def test_what_an_openai_client_sends_is_how_it_samples(server: Running) -> None:
+    client = sdk(server)
+    msgs = [{"role": "user", "content": "capital of France?"}]
+
+    async def chat(key: str, **kw: object) -> dict[str, object]:
+        await client.chat.completions.create(
+            model="default",
+            messages=msgs,  # type: ignore[arg-type]
+            max_tokens=2,
+            extra_headers={"Idempotency-Key": key},
+            **kw,  # type: ignore[arg-type]
+        )
+        return await _params(server, "k-test", key)
+
+    # temperature 0 is plain greedy: the server's default repetition penalty does not apply.
+    greedy = await chat("t0", temperature=0)
+    assert greedy["temperature"] == 0 and greedy["repetition_penalty"] == 1.0
+    # The penalties it sends are the ones it gets; metadata is accepted.
+    sent = await chat(
+        "pen",
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        metadata={"who": "me"},
+        extra_body={"repetition_penalty": 1.3},
+    )
+    assert (sent["frequency_penalty"], sent["presence_penalty"], sent["repetition_penalty"]) == (
+        0.5,
+        0.25,
+        1.3,
+    )
+    # A client that chooses nothing gets the server's defaults as a whole (the worker fills them in).
+    assert "repetition_penalty" not in await chat("none")
+    # The same rule on the Responses API, over HTTP and over its WebSocket mode.
+    r = await client.responses.create(model="default", input="x", temperature=0, max_output_tokens=2)
+    assert (await _params(server, "k-test", r.id.removeprefix("resp_")))["repetition_penalty"] == 1.0
+    async with client.responses.connect() as conn:
+        await conn.response.create(model="default", input="x", temperature=0, max_output_tokens=2)
+        async for ev in conn:
+            if ev.type in ("response.completed", "response.incomplete"):
+                rid = ev.response.id
+                break
+    assert (await _params(server, "k-test", rid.removeprefix("resp_")))["repetition_penalty"] == 1.0
+    with pytest.raises(openai.BadRequestError) as ei:
+        await chat("bad", frequency_penalty=3)
+    assert ei.value.param == "frequency_penalty"

@@ -240,3 +240,17 @@ async def test_a_drop_mid_reply_is_resumed_by_the_sdks_own_reconnect(server: Run
     assert stored.usage is not None and stored.usage.output_tokens == 60
     assert [e.type for e in events].count("response.created") == 1
     assert server.engine.requests_started == 1
+
+
+async def test_the_example_streams_a_reply(server: Running, capsys: pytest.CaptureFixture[str]) -> None:
+    from server.examples.openai_ws_resume import main
+
+    text = await main(f"http://127.0.0.1:{server.port}/v1", "hello")
+    assert text.startswith("re[1] hello") and "re[1] hello" in capsys.readouterr().out
+
+
+async def test_get_without_an_upgrade_is_the_http_api(server: Running) -> None:
+    from tests.gateway.test_http_api import raw
+
+    status, headers, body = await raw(server.port, "GET", "/v1/responses")
+    assert status == 405 and headers["allow"] == "POST" and b'"code":"method"' in body

@@ -16,17 +16,22 @@ WebSocket holds exactly what it held before this layer existed.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.server import ServerProtocol
+from websockets.typing import Subprotocol
 
 # A request line longer than this is not ours to parse: websockets answers it (414/400) as before.
 MAX_REQUEST_LINE = 8192
 
 WS_PATH = "/v1/ws"
 API_PREFIX = "/v1/"
+# OpenAI's Responses WebSocket mode: this path is the HTTP API's (POST) unless its GET asks for an upgrade,
+# which only the headers tell; they are read (at most MAX_HEAD bytes) before the hand-off.
+RESPONSES_PATH = "/v1/responses"
+MAX_HEAD = 16384
 
 
 def is_http_api(path: str) -> bool:
@@ -45,6 +50,15 @@ def request_path(line: bytes) -> str:
         return parts[1].decode("ascii")
     except UnicodeDecodeError:
         return ""
+
+
+def is_upgrade(head: bytes) -> bool:
+    """Whether a request head (request line and headers) asks for a WebSocket upgrade."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"upgrade" and b"websocket" in value.lower():
+            return True
+    return False
 
 
 class FrontDoor(asyncio.Protocol):
@@ -78,6 +92,13 @@ class FrontDoor(asyncio.Protocol):
         if end < 0 and len(self._buf) <= MAX_REQUEST_LINE:
             return
         path = request_path(self._buf[:end]) if end >= 0 else ""
+        if path.split("?", 1)[0] == RESPONSES_PATH and self._buf.startswith(b"GET "):
+            head_end = self._buf.find(b"\r\n\r\n")
+            if head_end < 0 and len(self._buf) <= MAX_HEAD:
+                return  # the rest of the headers
+            if head_end >= 0 and is_upgrade(self._buf[:head_end]):
+                self._hand_to(self._make_ws())
+                return
         if is_http_api(path):
             self._hand_to(self._make_http(self._make_ws))
         else:
@@ -103,15 +124,25 @@ class FrontDoor(asyncio.Protocol):
         self._transport = None
 
 
+SelectSubprotocol = Callable[[ServerConnection, Sequence[Subprotocol]], Subprotocol | None]
+
+
 def front_door_factory(
-    make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol], timeout_s: float
+    make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol],
+    timeout_s: float,
+    select_subprotocol: SelectSubprotocol | None = None,
 ) -> Callable[..., Any]:
     """A ``create_connection`` for :func:`websockets.asyncio.server.serve` that puts a
-    :class:`FrontDoor` before websockets' own connection."""
+    :class:`FrontDoor` before websockets' own connection. ``select_subprotocol``: websockets' hook of
+    that name, given the connection (websockets' own closure expects its connection to be the protocol
+    it created, which the front door is not, so the hook is installed here instead)."""
 
     def create_connection(protocol: ServerProtocol, server: Server, **kwargs: Any) -> FrontDoor:
         def make_ws() -> asyncio.Protocol:
-            return ServerConnection(protocol, server, **kwargs)
+            conn = ServerConnection(protocol, server, **kwargs)
+            if select_subprotocol is not None:
+                protocol.select_subprotocol = lambda offered: select_subprotocol(conn, offered)  # type: ignore[method-assign,assignment]
+            return conn
 
         return FrontDoor(make_ws, make_http, timeout_s)
 

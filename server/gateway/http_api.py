@@ -8,7 +8,6 @@ server.py), exactly as on a fresh connection.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -19,12 +18,10 @@ from urllib.parse import unquote
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from protocol import ProtocolError
 from server import metrics
-from server.gateway.auth import authenticate_user
 from server.gateway.core import GatewayCore
 from server.gateway.front_door import is_http_api
-from server.gateway.http_common import MAX_BODY_BYTES, ApiError, Caller, HttpCore, json_response
+from server.gateway.http_common import MAX_BODY_BYTES, ApiError, Caller, HttpCore, caller_of, json_response
 from server.gateway.http_conn import ConnectionCaps, HttpConnection, HttpRequest, HttpResponse
 from server.gateway.openai_chat import ChatCompletions
 from server.gateway.openai_responses import Responses
@@ -128,24 +125,7 @@ class HttpApi:
         )
 
     def caller(self, req: HttpRequest) -> Caller:
-        """The owner, as on the WebSocket: the JWT's ``sub`` when auth is on. With auth off the bearer
-        key (any string, e.g. the SDK's api_key) scopes the requests, so two clients with different keys
-        cannot see each other's; without one every anonymous caller shares one owner."""
-        auth = req.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        bearer = token.strip() if scheme.lower() == "bearer" else ""
-        if self.core.settings.auth_secret is not None:
-            try:
-                user, weight = authenticate_user(bearer or None, self.core.settings.auth_secret)
-            except ProtocolError as exc:
-                raise ApiError(
-                    401, exc.message.replace("hello.token", "Authorization"), code="invalid_api_key"
-                ) from None
-            assert user is not None
-            return Caller(owner=user, user=user, weight=weight)
-        if not bearer:
-            return Caller(owner="http:anonymous", user=None)
-        return Caller(owner="http:" + hashlib.sha256(bearer.encode()).hexdigest()[:32], user=None)
+        return caller_of(req.headers.get("authorization", ""), self.core.settings.auth_secret)
 
     # ---- /v1/models --------------------------------------------------------------------------------
 

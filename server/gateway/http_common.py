@@ -23,7 +23,8 @@ import structlog
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
 from protocol.frames import MAX_MODEL_CHARS
-from server.gateway.admission import Ask, Grant, Kind
+from server.gateway.admission import Ask, ConnectionLimits, Grant, Kind
+from server.gateway.auth import authenticate_user
 from server.gateway.core import GatewayCore
 from server.gateway.http_conn import HttpRequest, HttpResponse
 from server.gateway.models import DEFAULT_ALIAS
@@ -148,6 +149,41 @@ class Caller:
     weight: float = 1.0  # fair-share weight from the JWT tier claim, as on the WebSocket
 
 
+# OpenAI's sampling fields: a call that sets any of them chose how it samples.
+OPENAI_SAMPLING = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
+
+
+def openai_sampling(params: dict[str, Any]) -> dict[str, Any]:
+    """The sampling an OpenAI client asked for, and only that. OpenAI has no repetition penalty, and the
+    server's default one (server/defaults.py) is part of the defaults a client that chose nothing gets:
+    a call that sets any of OPENAI_SAMPLING gets repetition_penalty 1.0 (off) unless it sends one, so
+    ``temperature: 0`` is plain greedy decoding and the penalties it sends are the only ones."""
+    if "repetition_penalty" in params or not any(k in params for k in OPENAI_SAMPLING):
+        return params
+    return {**params, "repetition_penalty": 1.0}
+
+
+def caller_of(authorization: str, secret: str | None) -> Caller:
+    """The owner, as on the WebSocket protocol: the JWT's ``sub`` when auth is on (``secret``). With auth
+    off the bearer key (any string, e.g. the SDK's api_key) scopes the requests, so two clients with
+    different keys cannot see each other's; without one every anonymous caller shares one owner. Used by
+    every OpenAI door: an HTTP request's and a Responses WebSocket handshake's ``Authorization``."""
+    scheme, _, token = authorization.partition(" ")
+    bearer = token.strip() if scheme.lower() == "bearer" else ""
+    if secret is not None:
+        try:
+            user, weight = authenticate_user(bearer or None, secret)
+        except ProtocolError as exc:
+            raise ApiError(
+                401, exc.message.replace("hello.token", "Authorization"), code="invalid_api_key"
+            ) from None
+        assert user is not None
+        return Caller(owner=user, user=user, weight=weight)
+    if not bearer:
+        return Caller(owner="http:anonymous", user=None)
+    return Caller(owner="http:" + hashlib.sha256(bearer.encode()).hexdigest()[:32], user=None)
+
+
 def check_fields(body: dict[str, Any], supported: set[str], neutral: dict[str, Any]) -> None:
     """A 400 for the first field tokenwire would otherwise have to ignore (null counts as absent)."""
     for key, value in body.items():
@@ -160,6 +196,22 @@ def check_fields(body: dict[str, Any], supported: set[str], neutral: dict[str, A
         raise bad(
             f"{what} {key[:60]!r}: tokenwire does not do this", param=key[:60], code="unsupported_parameter"
         )
+
+
+def check_metadata(metadata: object) -> dict[str, str]:
+    """OpenAI's ``metadata``: at most 16 short string pairs."""
+    if metadata is None:
+        return {}
+    if (
+        not isinstance(metadata, dict)
+        or len(metadata) > 16
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in metadata.items()
+        )
+    ):
+        raise bad("metadata: at most 16 string keys (64 chars) and string values (512)", "metadata")
+    return metadata
 
 
 def text_content(content: object, where: str, part_types: tuple[str, ...]) -> str:
@@ -233,7 +285,7 @@ class HttpCore:
     @staticmethod
     def to_chat(id: str, messages: list[dict[str, str]], params: dict[str, Any]) -> Chat:
         """The tokenwire chat this call means, validated exactly as a WebSocket ``chat`` frame."""
-        raw = {"type": "chat", "id": id, "messages": messages, "params": params}
+        raw = {"type": "chat", "id": id, "messages": messages, "params": openai_sampling(params)}
         try:
             frame = parse_client_frame(raw)
         except ProtocolError as exc:
@@ -242,15 +294,23 @@ class HttpCore:
         return frame
 
     async def admit(
-        self, caller: Caller, id: str, *, kind: Kind = "chat", stream: bool = True, chat: Chat | None = None
+        self,
+        caller: Caller,
+        id: str,
+        *,
+        kind: Kind = "chat",
+        stream: bool = True,
+        chat: Chat | None = None,
+        conn: ConnectionLimits | None = None,
     ) -> Grant:
         """The admission step (admission.py) for a call about request ``id``; ``stream``: the call will
-        follow the log; ``chat``: what it asks for (its text counts against the byte rate). Raises
-        ApiError 429 / 503 with Retry-After."""
+        follow the log; ``chat``: what it asks for (its text counts against the byte rate); ``conn``: the
+        limits of the caller's own connection (a WebSocket door). Raises ApiError 429 / 503 with
+        Retry-After."""
         text = sum(len(m.content) for m in chat.messages or ()) if chat is not None else 0
         try:
             return await self.core.admission.admit(
-                Ask(kind, caller.owner, id, weight=caller.weight, stream=stream, text_bytes=text)
+                Ask(kind, caller.owner, id, conn=conn, weight=caller.weight, stream=stream, text_bytes=text)
             )
         except ProtocolError as exc:
             raise api_error(exc) from None

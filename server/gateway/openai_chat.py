@@ -21,6 +21,7 @@ from server.gateway.http_common import (
     HttpCore,
     bad,
     check_fields,
+    check_metadata,
     entry_error,
     json_response,
     sse,
@@ -36,8 +37,6 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # default); any other value is refused with a 400 naming the field.
 NEUTRAL: dict[str, Any] = {
     "n": lambda v: v == 1,
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
     "logprobs": lambda v: v is False,
     "logit_bias": lambda v: v == {},
     "tools": lambda v: v == [],
@@ -60,6 +59,10 @@ SUPPORTED = {
     "stream",
     "stream_options",
     "user",
+    "metadata",  # accepted and kept with the request, as OpenAI does (not echoed: OpenAI does not either)
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",  # tokenwire's (and vLLM's) extension, sent by the SDK's extra_body
     "cache",  # tokenwire's extension: false = never answer from the response cache (SPEC 4.2)
 }
 
@@ -119,7 +122,17 @@ class ChatCompletions:
             raise bad("max_tokens and max_completion_tokens differ; give one", param="max_completion_tokens")
         if mct is not None or mt is not None:
             params["max_tokens"] = mct if mct is not None else mt
-        for key in ("temperature", "top_p", "seed", "stop", "cache"):
+        metadata = check_metadata(body.get("metadata"))
+        for key in (
+            "temperature",
+            "top_p",
+            "seed",
+            "stop",
+            "cache",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+        ):
             if body.get(key) is not None:
                 params[key] = body[key]
         params["model"] = model  # chooses the model as params.model does (unknown: 404)
@@ -127,7 +140,10 @@ class ChatCompletions:
         chat = api.to_chat(id, messages, params)
         grant = await api.admit(caller, id, chat=chat)  # the one admission step, before anything is held
         try:
-            model = (await api.submit(caller, chat, grant, kind="chat", extra={})).model  # after any fallback
+            extra = {"metadata": metadata} if metadata else {}
+            model = (
+                await api.submit(caller, chat, grant, kind="chat", extra=extra)
+            ).model  # after any fallback
             cid = f"chatcmpl-{id}"
             created = int(time.time())
             if stream:

@@ -10,22 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from typing import cast
 
 import structlog
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
+from websockets.exceptions import NegotiationError
 from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
 
 from protocol import SUBPROTOCOLS, CloseCode
 from server import metrics
 from server.aio import cancel_and_wait
 from server.gateway.connection import Connection
 from server.gateway.core import GatewayCore
-from server.gateway.front_door import front_door_factory
+from server.gateway.front_door import RESPONSES_PATH, front_door_factory
 from server.gateway.http_api import HttpApi
+from server.gateway.http_common import ApiError, caller_of
+from server.gateway.openai_responses_ws import ResponsesSocket
 from server.gateway.settings import GatewaySettings
 from server.gateway.static import static_response
 from server.gateway.ui_config import content_security_policy, ui_config
@@ -71,6 +75,7 @@ class Gateway:
         self.http = HttpApi(self.core, plain=self._plain_answer)
         self.ready = ready
         self.connections: set[Connection] = set()
+        self.response_sockets: set[ResponsesSocket] = set()  # OpenAI's Responses WebSocket mode
         self._server: Server | None = None
         self.routes = self._routes()
         self.metrics_server: MetricsServer | None = None
@@ -102,6 +107,8 @@ class Gateway:
         the browser UI's files are the fallback for GET (see :meth:`_process_request`)."""
         routes: dict[str, dict[str, Route]] = {
             WS_PATH: {"GET": lambda conn, request: None},
+            # Reaches websockets only with an upgrade (front_door.py); the handshake checks the caller.
+            RESPONSES_PATH: {"GET": self._responses_handshake},
             "/healthz": {"GET": lambda conn, request: conn.respond(HTTPStatus.OK, "ok\n")},
             "/readyz": {"GET": self._readyz},
             # The UI's defaults and the origins it may connect to (ui_config.py).
@@ -144,8 +151,36 @@ class Gateway:
             return response
         return handler(conn, request)
 
+    def _responses_handshake(self, conn: ServerConnection, request: Request) -> Response | None:
+        """The Bearer token of a Responses WebSocket, checked before the upgrade (as on HTTP: 401)."""
+        try:
+            caller_of(request.headers.get("Authorization", ""), self.settings.auth_secret)
+        except ApiError as exc:
+            answer = exc.response()
+            headers = Headers([*answer.headers, ("Content-Length", str(len(answer.body)))])
+            return Response(exc.status, HTTPStatus(exc.status).phrase, headers, answer.body)
+        return None
+
+    def _select_subprotocol(
+        self, conn: ServerConnection, offered: Sequence[Subprotocol]
+    ) -> Subprotocol | None:
+        """/v1/ws needs one of SUBPROTOCOLS; OpenAI's SDKs offer none on /v1/responses (JSON frames)."""
+        path = conn.request.path.split("?", 1)[0] if conn.request is not None else ""
+        if path == RESPONSES_PATH:
+            return None
+        for sub in SUBPROTOCOLS:
+            if sub in offered:
+                return Subprotocol(sub)
+        if not offered:
+            raise NegotiationError("missing subprotocol")
+        raise NegotiationError("invalid subprotocol; expected one of " + ", ".join(SUBPROTOCOLS))
+
     async def _handle(self, ws: ServerConnection) -> None:
-        """A WebSocket on /v1/ws: the protocol door, registered so that a drain can close it."""
+        """A WebSocket: /v1/responses is OpenAI's Responses mode, anything else the protocol door; each
+        registered so that a drain can close it."""
+        if ws.request is not None and ws.request.path.split("?", 1)[0] == RESPONSES_PATH:
+            await self._handle_responses(ws)
+            return
         conn = Connection(self.core, ws)
         self.connections.add(conn)
         metrics.CONNECTIONS.inc()
@@ -154,6 +189,20 @@ class Gateway:
         finally:
             metrics.CONNECTIONS.dec()
             self.connections.discard(conn)
+            with contextlib.suppress(Exception):
+                await ws.close()
+
+    async def _handle_responses(self, ws: ServerConnection) -> None:
+        assert ws.request is not None
+        caller = caller_of(ws.request.headers.get("Authorization", ""), self.settings.auth_secret)
+        sock = ResponsesSocket(self.http.http, ws, caller)
+        self.response_sockets.add(sock)
+        metrics.CONNECTIONS.inc()
+        try:
+            await sock.run()
+        finally:
+            metrics.CONNECTIONS.dec()
+            self.response_sockets.discard(sock)
             with contextlib.suppress(Exception):
                 await ws.close()
 
@@ -195,7 +244,9 @@ class Gateway:
             ping_timeout=self.settings.ping_interval_s,
             compression=None,  # per-message deflate costs CPU and memory per socket for ~20-byte frames
             # Every connection's first request line picks websockets or the HTTP API (front_door.py).
-            create_connection=front_door_factory(lambda _ws: self.http.connection(), open_timeout_s),  # type: ignore[arg-type]
+            create_connection=front_door_factory(
+                lambda _ws: self.http.connection(), open_timeout_s, self._select_subprotocol
+            ),  # type: ignore[arg-type]
             open_timeout=open_timeout_s,
         )
         self.core.start()
@@ -215,8 +266,9 @@ class Gateway:
             self._server.close(close_connections=False)
             for h in list(self.http.connections):
                 h.close()  # HTTP streams end; a client with an Idempotency-Key or a response id resumes
+            sockets = [c.ws for c in self.connections] + [s.ws for s in self.response_sockets]
             await asyncio.gather(
-                *(c.ws.close(CloseCode.SERVICE_RESTART, "server restarting") for c in list(self.connections)),
+                *(ws.close(CloseCode.SERVICE_RESTART, "server restarting") for ws in sockets),
                 return_exceptions=True,
             )
             await self._server.wait_closed()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import re
 import time
@@ -332,3 +333,99 @@ async def test_a_kept_alive_api_connection_still_gets_health_answers(server: Run
     rest = await asyncio.wait_for(reader.read(), 10)  # answered, then closed
     writer.close()
     assert rest.startswith(b"HTTP/1.1 200") and rest.endswith(b"ok\n")
+
+
+async def test_response_events_have_unique_increasing_sequence_numbers_and_resume_after_any(
+    server: Running,
+) -> None:
+    server.engine.reply_len = 9
+    client = sdk(server)
+    r = await client.responses.create(model="default", input="count", background=True)
+    while (await client.responses.retrieve(r.id)).status in ("queued", "in_progress"):  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
+    full = [ev async for ev in await client.responses.retrieve(r.id, stream=True)]
+    seqs = [ev.sequence_number for ev in full]
+    assert seqs[0] == 0 and all(a < b for a, b in itertools.pairwise(seqs))  # the replay from 0
+    assert [ev.type for ev in full][-2:] == ["response.output_item.done", "response.completed"]
+    whole = "".join(ev.delta for ev in full if ev.type == "response.output_text.delta")
+    assert whole == (await client.responses.retrieve(r.id)).output_text
+    for cut, ev in enumerate(full):
+        before = "".join(e.delta for e in full[: cut + 1] if e.type == "response.output_text.delta")
+        # The server resumes after N ...
+        rest = [
+            e
+            async for e in await client.responses.retrieve(
+                r.id, stream=True, starting_after=ev.sequence_number
+            )
+        ]
+        assert [e.sequence_number for e in rest] == seqs[cut + 1 :]
+        assert before + "".join(e.delta for e in rest if e.type == "response.output_text.delta") == whole
+        # ... and the SDK's own resume (it reads from 0 and drops what is not after N) gets the rest too.
+        async with client.responses.stream(response_id=r.id, starting_after=ev.sequence_number) as stream:
+            got = [e async for e in stream]
+            final = await stream.get_final_response()
+        assert [e.sequence_number for e in got] == seqs[cut + 1 :]
+        assert final.output_text == whole
+
+
+async def test_starting_after_past_the_last_event_is_refused(server: Running) -> None:
+    client = sdk(server)
+    r = await client.responses.create(model="default", input="short", max_output_tokens=3)
+    last = [ev async for ev in await client.responses.retrieve(r.id, stream=True)][-1].sequence_number
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.responses.retrieve(r.id, stream=True, starting_after=last + 1)
+    assert err.value.body["param"] == "starting_after"  # type: ignore[index]
+
+
+async def _params(server: Running, owner_key: str, id: str) -> dict[str, object]:
+    owner = "http:" + hashlib.sha256(owner_key.encode()).hexdigest()[:32]
+    view = await server.store.view(owner, id)
+    assert view is not None
+    return dict(view.payload["params"])
+
+
+async def test_what_an_openai_client_sends_is_how_it_samples(server: Running) -> None:
+    client = sdk(server)
+    msgs = [{"role": "user", "content": "capital of France?"}]
+
+    async def chat(key: str, **kw: object) -> dict[str, object]:
+        await client.chat.completions.create(
+            model="default",
+            messages=msgs,  # type: ignore[arg-type]
+            max_tokens=2,
+            extra_headers={"Idempotency-Key": key},
+            **kw,  # type: ignore[arg-type]
+        )
+        return await _params(server, "k-test", key)
+
+    # temperature 0 is plain greedy: the server's default repetition penalty does not apply.
+    greedy = await chat("t0", temperature=0)
+    assert greedy["temperature"] == 0 and greedy["repetition_penalty"] == 1.0
+    # The penalties it sends are the ones it gets; metadata is accepted.
+    sent = await chat(
+        "pen",
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        metadata={"who": "me"},
+        extra_body={"repetition_penalty": 1.3},
+    )
+    assert (sent["frequency_penalty"], sent["presence_penalty"], sent["repetition_penalty"]) == (
+        0.5,
+        0.25,
+        1.3,
+    )
+    # A client that chooses nothing gets the server's defaults as a whole (the worker fills them in).
+    assert "repetition_penalty" not in await chat("none")
+    # The same rule on the Responses API, over HTTP and over its WebSocket mode.
+    r = await client.responses.create(model="default", input="x", temperature=0, max_output_tokens=2)
+    assert (await _params(server, "k-test", r.id.removeprefix("resp_")))["repetition_penalty"] == 1.0
+    async with client.responses.connect() as conn:
+        await conn.response.create(model="default", input="x", temperature=0, max_output_tokens=2)
+        async for ev in conn:
+            if ev.type in ("response.completed", "response.incomplete"):
+                rid = ev.response.id
+                break
+    assert (await _params(server, "k-test", rid.removeprefix("resp_")))["repetition_penalty"] == 1.0
+    with pytest.raises(openai.BadRequestError) as ei:
+        await chat("bad", frequency_penalty=3)
+    assert ei.value.param == "frequency_penalty"

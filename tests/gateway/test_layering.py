@@ -53,15 +53,19 @@ LAYERS: dict[str, int] = {
     "front_door": 4,
     "http_conn": 4,
     "http_common": 5,
+    # what the two Responses doors share (objects, events, sequence numbers; reading a create body)
+    "responses_events": 5,
+    "responses_request": 6,
     # the doors, one file each (http_api routes the HTTP API's endpoints)
-    "connection": 6,
-    "openai_chat": 6,
-    "openai_responses": 6,
-    "http_api": 7,
+    "connection": 7,
+    "openai_chat": 7,
+    "openai_responses": 7,
+    "openai_responses_ws": 7,
+    "http_api": 8,
     # the assembly
-    "server": 8,
+    "server": 9,
 }
-DOORS = {"connection", "openai_chat", "openai_responses"}
+DOORS = {"connection", "openai_chat", "openai_responses", "openai_responses_ws"}
 
 
 def _gateway_imports() -> dict[str, set[str]]:

@@ -1,0 +1,256 @@
+"""OpenAI's Responses WebSocket mode (``GET /v1/responses`` upgraded), driven by the official ``openai``
+SDK's ``client.responses.connect()`` against a real gateway, store and worker with the fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jwt
+import pytest
+import redis.asyncio as aioredis
+import websockets
+from openai import AsyncOpenAI
+
+from server.examples.openai_ws_resume import ResumeTracker
+from server.gateway.server import GatewaySettings
+from server.store.keys import Keys
+from tests.gateway.conftest import Running, running_server
+
+SECRET = "jwt-test-secret-of-at-least-32-bytes!"
+END = ("response.completed", "response.incomplete", "response.failed")
+_CLIENTS: list[AsyncOpenAI] = []
+
+
+def sdk(server: Running, key: str = "k-test") -> AsyncOpenAI:
+    c = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=key, max_retries=0)
+    _CLIENTS.append(c)
+    return c
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while _CLIENTS:
+        await _CLIENTS.pop().close()
+
+
+async def until_end(conn: Any, lanes: int = 1, on_event: Any = None) -> list[Any]:
+    """Events until ``lanes`` responses ended (errors included in the list)."""
+    events: list[Any] = []
+
+    async def read() -> None:
+        ended = 0
+        async for ev in conn:
+            events.append(ev)
+            if on_event is not None:
+                await on_event(ev)
+            if ev.type in END:
+                ended += 1
+                if ended == lanes:
+                    return
+
+    await asyncio.wait_for(read(), 30)
+    return events
+
+
+def text_of(events: list[Any], lane: str | None = None) -> str:
+    return "".join(
+        e.delta
+        for e in events
+        if e.type == "response.output_text.delta" and getattr(e, "stream_id", None) == lane
+    )
+
+
+async def test_connect_streams_a_reply_with_openai_events(server: Running) -> None:
+    client = sdk(server)
+    async with client.responses.connect() as conn:
+        await conn.response.create(model="default", input="hello there", max_output_tokens=5)
+        events = await until_end(conn)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    seqs = [e.sequence_number for e in events]
+    assert seqs[0] == 0 and all(a < b for a, b in itertools.pairwise(seqs))
+    final = events[-1].response
+    assert text_of(events) == final.output_text and final.output_text.startswith("re[1] hello there")
+    # The same response through the HTTP door: one request in the store.
+    assert (await client.responses.retrieve(final.id)).output_text == final.output_text
+
+
+async def test_a_second_turn_with_previous_response_id_sees_the_first(server: Running) -> None:
+    async with sdk(server).responses.connect() as conn:
+        await conn.response.create(model="default", input="one", max_output_tokens=3)
+        first = (await until_end(conn))[-1].response
+        await conn.response.create(
+            model="default", input="two", previous_response_id=first.id, max_output_tokens=3
+        )
+        second = (await until_end(conn))[-1].response
+    assert second.previous_response_id == first.id
+    assert second.output_text.startswith("re[3] two")  # the fake engine counts user, assistant, user
+
+
+async def test_generate_false_warms_up_a_response_to_continue_from(server: Running) -> None:
+    async with sdk(server).responses.connect() as conn:
+        await conn.response.create(model="default", input="context first", instructions="sys", generate=False)
+        warm = await until_end(conn)
+        assert [e.type for e in warm] == ["response.created", "response.completed"]
+        rid = warm[-1].response.id
+        assert warm[-1].response.output == [] and warm[-1].response.usage.output_tokens == 0
+        await conn.response.create(
+            model="default", input="now go", previous_response_id=rid, max_output_tokens=4
+        )
+        reply = (await until_end(conn))[-1].response
+    # user "context first" + user "now go": the warm-up's input came before this turn's.
+    assert reply.output_text.startswith("re[2] now go")
+    assert server.engine.requests_started == 1  # the warm-up generated nothing
+
+
+async def test_a_second_create_while_one_streams_is_refused_and_lanes_multiplex(server: Running) -> None:
+    server.engine.reply_len = 30
+    server.engine.step_s = 0.02
+    async with sdk(server).responses.connect() as conn:
+        await conn.response.create(model="default", input="first", max_output_tokens=30)
+        await conn.response.create(model="default", input="second", max_output_tokens=30)
+        events = await until_end(conn)
+        errors = [e for e in events if e.type == "error"]
+        assert [e.error.code for e in errors] == ["response_already_in_flight"]
+        assert events[-1].type == "response.incomplete" and events[-1].response.output_text.startswith(
+            "re[1] first"
+        )
+        # OpenAI's stream_id names lanes: two responses at once on one socket, each event tagged.
+        await conn.response.create(model="default", input="left", stream_id="a", max_output_tokens=6)
+        await conn.response.create(model="default", input="right", stream_id="b", max_output_tokens=6)
+        both = await until_end(conn, lanes=2)
+    finals = {e.stream_id: e.response for e in both if e.type in END}
+    assert set(finals) == {"a", "b"}
+    for lane, final in finals.items():
+        assert text_of(both, lane) == final.output_text
+        seqs = [e.sequence_number for e in both if e.stream_id == lane]
+        assert all(a < b for a, b in itertools.pairwise(seqs))
+    assert finals["a"].output_text.startswith("re[1] left") and finals["b"].output_text.startswith(
+        "re[1] right"
+    )
+
+
+async def test_refusals_name_the_field_and_the_socket_stays_usable(server: Running) -> None:
+    async with sdk(server).responses.connect() as conn:
+        sends: list[dict[str, Any]] = [
+            {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}
+                ]
+            },
+            {"previous_response_id": "resp_nope"},
+            {"temperature": 9},
+            {"background": True},
+            {"reasoning": {"effort": "high"}},
+        ]
+        for extra in sends:
+            await conn.send({"type": "response.create", "model": "default", "input": "x", **extra})  # type: ignore[arg-type,typeddict-item]
+        await conn.send({"type": "response.cancel"})  # type: ignore[arg-type,typeddict-item]
+        errors = [await asyncio.wait_for(conn.recv(), 10) for _ in range(len(sends) + 1)]
+        await conn.response.create(model="default", input="still fine", max_output_tokens=2)
+        ok = await until_end(conn)
+    got = [(e.type, e.error.code, e.error.param) for e in errors]
+    assert got == [
+        ("error", "unsupported_parameter", "tools"),
+        ("error", "unsupported_parameter", "input[0].content[0]"),
+        ("error", "previous_response_not_found", "previous_response_id"),
+        ("error", "invalid_request_error", "temperature"),
+        ("error", "invalid_request_error", "background"),
+        ("error", "unsupported_parameter", "reasoning"),
+        ("error", "invalid_request_error", "type"),
+    ]
+    assert "images" in errors[1].error.message and "tools" in errors[0].error.message
+    assert ok[-1].type == "response.incomplete"
+
+
+async def test_the_handshake_needs_a_jwt_when_auth_is_on(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    settings = GatewaySettings(port=0, auth_secret=SECRET)
+    async with running_server(redis, redis_url, keys, gateway=settings) as server:
+        with pytest.raises(websockets.exceptions.InvalidStatus) as err:
+            async with sdk(server, "not-a-jwt").responses.connect():
+                pass
+        assert err.value.response.status_code == 401
+        token = jwt.encode({"sub": "alice", "exp": int(time.time() + 60)}, SECRET, algorithm="HS256")
+        async with sdk(server, token).responses.connect() as conn:
+            await conn.response.create(model="default", input="mine", max_output_tokens=2)
+            rid = (await until_end(conn))[-1].response.id
+        assert (
+            await server.store.get("alice", rid.removeprefix("resp_")) is not None
+        )  # owned by the JWT's sub
+
+
+async def test_the_protocol_endpoint_still_requires_its_subprotocol(server: Running) -> None:
+    with pytest.raises(websockets.exceptions.InvalidStatus) as err:
+        async with websockets.connect(server.url):
+            pass
+    assert err.value.response.status_code == 400
+
+
+async def test_a_drop_mid_reply_is_resumed_by_the_sdks_own_reconnect(server: Running) -> None:
+    server.engine.reply_len = 60
+    server.engine.step_s = 0.02
+    tracker = ResumeTracker()
+    dropped = asyncio.Event()
+
+    async def on_event(ev: Any) -> None:
+        tracker.see(ev)
+        if ev.type == "response.output_text.delta" and ev.sequence_number >= 10 and not dropped.is_set():
+            dropped.set()
+            # The server side goes away mid-reply, as a gateway restarting does (1012).
+            for sock in list(server.gateway.response_sockets):
+                await sock.ws.close(1012, "restart")
+
+    queries: list[Any] = []
+
+    def on_reconnecting(event: Any) -> Any:
+        overrides = tracker.on_reconnecting(event)
+        queries.append(overrides["extra_query"])
+        return overrides
+
+    client = sdk(server)
+    async with client.responses.connect(on_reconnecting=on_reconnecting, initial_delay=0.01) as conn:
+        await conn.response.create(model="default", input="long story", max_output_tokens=60)
+        events = await until_end(conn, on_event=on_event)
+    assert dropped.is_set() and len(queries) == 1  # one reconnect, naming the response and where it was
+    assert queries[0]["tw_resume"].startswith(events[0].response.id + ":")
+    seqs = [e.sequence_number for e in events]
+    assert all(a < b for a, b in itertools.pairwise(seqs))  # nothing repeated
+    final = events[-1].response
+    stored = await client.responses.retrieve(final.id)
+    assert text_of(events) == final.output_text == stored.output_text  # nothing missing
+    assert stored.usage is not None and stored.usage.output_tokens == 60
+    assert [e.type for e in events].count("response.created") == 1
+    assert server.engine.requests_started == 1
+
+
+async def test_the_example_streams_a_reply(server: Running, capsys: pytest.CaptureFixture[str]) -> None:
+    from server.examples.openai_ws_resume import main
+
+    text = await main(f"http://127.0.0.1:{server.port}/v1", "hello")
+    assert text.startswith("re[1] hello") and "re[1] hello" in capsys.readouterr().out
+
+
+async def test_get_without_an_upgrade_is_the_http_api(server: Running) -> None:
+    from tests.gateway.test_http_api import raw
+
+    status, headers, body = await raw(server.port, "GET", "/v1/responses")
+    assert status == 405 and headers["allow"] == "POST" and b'"code":"method"' in body

@@ -178,6 +178,7 @@ async def _http_hostile(host: str, port: int, n: int, ledger: Ledger, stop: asyn
         i += 1
         key = f"http{n}.{i}"
         ledger.send(key)
+        writer: asyncio.StreamWriter | None = None
         try:
             reader, writer = await asyncio.open_connection(host, port)
             writer.write(
@@ -188,9 +189,11 @@ async def _http_hostile(host: str, port: int, n: int, ledger: Ledger, stop: asyn
             line = await asyncio.wait_for(reader.readline(), ANSWER_S * 5)
             status = line.split(b" ")[1].decode() if line.count(b" ") >= 1 else "closed"
             ledger.answer(key, f"http:{status}" if status.startswith("2") else f"error:http_{status}")
-            writer.close()
         except (TimeoutError, OSError, IndexError):
             ledger.answer(key, "closed")
+        finally:
+            if writer is not None:
+                writer.close()  # also when the flood's end cancels this task mid-request
 
 
 async def _trickler(host: str, port: int, n: int, ledger: Ledger, stop: asyncio.Event) -> None:
@@ -255,6 +258,7 @@ async def run_flood(cfg: LoadConfig, clients: int, duration_s: float) -> dict[st
     await asyncio.wait(hostile, timeout=TRICKLE_DEADLINE_S + 10)
     for t in hostile:
         t.cancel()
+    await asyncio.gather(*hostile, return_exceptions=True)  # their finally blocks close every socket
     ledger.expire(limit_s=0.0, prefix="")  # whatever still waits now was never answered
     await asyncio.sleep(AFTER_S)
     after = rss_mb(pid)

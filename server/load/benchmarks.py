@@ -507,13 +507,14 @@ def _flood(r: dict[str, Any]) -> list[str]:
         f"{t['gateway_rss_after_mb']:g} MB | {ok('gateway_rss_after_mb')} |",
         f"| normal users' max gap in the flood / p99 alone | {_f(f['normal_max_gap_over_p99'], 2)}x | ≤ "
         f"{t['normal_max_gap_over_p99']:g}x | {ok('normal_max_gap_over_p99')} |",
-        f"| hostile frames unanswered within 2 s | {f['unanswered']} {f.get('unanswered_kinds') or ''} | 0 | "
+        f"| hostile frames unanswered within 2 s | {f['unanswered']} (never answered: "
+        f"{f.get('never_answered', f['unanswered'])}; late: {f.get('late_kinds') or f.get('late', 0)}) | 0 | "
         f"{ok('unanswered')} |",
         f"| normal requests completed | {w['requests_ok']} of {w['requests_ok'] + w['requests_failed']} | "
         f"all | {ok('normal_complete')} |",
         "",
         "Against `tokenwire cluster --gateways 1 --workers 1`: the RSS is the gateway process's alone.",
-        "Frames answered late are those a connection sent faster than its read pace (2 MiB/s; SPEC §6):",
+        "Frames answered late are those a connection sent faster than its read pace (2 MiB/s; SPEC §2.2):",
         "the server reads them later, as TCP pushes back, and answers each.",
     ]
 

@@ -146,11 +146,11 @@ def _workload(quick: bool) -> tuple[list[str], int]:
 
 def _e2e(work: Path, quick: bool) -> dict[str, Any]:
     """The same workload straight into an engine in the load tool's process, then through a real server
-    (gateway, Redis log, worker, WebSocket), then through its HTTP API: their ratio is the server's own
-    overhead. Alternated over E2E_ROUNDS rounds, because one noisy moment on a shared machine moves a
-    single run by 5-10 %."""
+    (gateway, Redis log, worker, WebSocket): their ratio is the server's own overhead; then through its
+    HTTP API and its Responses WebSocket mode. Alternated over E2E_ROUNDS rounds, because one noisy
+    moment on a shared machine moves a single run by 5-10 %."""
     workload, _users = _workload(quick)
-    out: dict[str, Any] = {"engine_only": [], "load32": [], "load32_http": []}
+    out: dict[str, Any] = {"engine_only": [], "load32": [], "load32_http": [], "load32_openai_ws": []}
     with _serve(work) as s:
         for i in range(E2E_ROUNDS):
             out["engine_only"].append(
@@ -163,6 +163,10 @@ def _e2e(work: Path, quick: bool) -> dict[str, Any]:
             http = s.urls[0].replace("ws://", "http://").removesuffix("/ws")
             out["load32_http"].append(
                 _load(http, work / f"load32_http-{i}.json", *workload, "--api", "openai")
+            )
+            # And through its Responses WebSocket mode (OpenAI's events, JSON frames, GET /v1/responses).
+            out["load32_openai_ws"].append(
+                _load(http, work / f"load32_openai_ws-{i}.json", *workload, "--api", "openai-ws")
             )
     return out
 
@@ -664,39 +668,56 @@ def _render_e2e(r: dict[str, Any]) -> list[str]:
         sse_ratio = w["ratio_to_sse"].get(name) if name != "sse" else 1.0
         lines.append(f"| {name} | {_f(w['bytes_per_token'].get(name))} | {_f(sse_ratio, 2)}x |")
     https = r.get("load32_http") or []
-    if https:
-        measured = https[0]["wire"]["measured"].get("sse") or {}
-        sse_model = w["bytes_per_token"].get("sse")
-        ratio = f"{measured['wire_per_token'] / sse_model:.2f}x" if sse_model and measured else "—"
-        lines.append(
-            f"| sse, measured from tokenwire's HTTP API | {_f(measured.get('wire_per_token'))} | {ratio} |"
-        )
+    oaiws = r.get("load32_openai_ws") or []
+    sse_model = w["bytes_per_token"].get("sse")
+    for runs, key, label in (
+        (https, "sse", "sse, measured from tokenwire's HTTP API"),
+        (oaiws, "openai-ws", "Responses WebSocket event, measured"),
+    ):
+        if runs:
+            measured = runs[0]["wire"]["measured"].get(key) or {}
+            ratio = f"{measured['wire_per_token'] / sse_model:.2f}x" if sse_model and measured else "—"
+            lines.append(f"| {label} | {_f(measured.get('wire_per_token'))} | {ratio} |")
     lines.append("\nTarget: msgpack ≤ 0.35x the SSE chunk.")
     if https:
-        http_tok = sum(h["tokens"]["per_s"] for h in https) / len(https)
-        h0 = https[0]
+        columns = [("WebSocket (msgpack/JSON)", [y for _, y in rounds]), ("HTTP (SSE)", https)]
+        if oaiws:
+            columns.append(("Responses WebSocket (JSON)", oaiws))
+        firsts = [runs[0] for _, runs in columns]
         lines += [
             "",
-            "## The same workload over HTTP (`tokenwire load --api openai`, OpenAI chat completions)",
+            "## The same workload over HTTP (`tokenwire load --api openai`, OpenAI chat completions)"
+            + (" and the Responses WebSocket mode (`--api openai-ws`)" if oaiws else ""),
             "",
             "The same server, users, prompts, lengths and seeds, each round right after the WebSocket run:",
-            "streamed `POST /v1/chat/completions` on keep-alive connections. No peer server (llama.cpp's,",
-            "vLLM) was at hand on this machine; `tokenwire load --api openai http://HOST:PORT/v1`",
-            "drives one.",
+            "streamed `POST /v1/chat/completions` on keep-alive connections"
+            + (
+                "; then `response.create` events on one `GET /v1/responses` WebSocket per conversation"
+                " (the Responses API has no seed: the server draws one per request)."
+                if oaiws
+                else "."
+            ),
+            "No peer server (llama.cpp's, vLLM) was at hand on this machine;",
+            "`tokenwire load --api openai http://HOST:PORT/v1` drives one.",
             "",
-            "| | WebSocket (msgpack/JSON) | HTTP (SSE) |",
-            "| --- | ---: | ---: |",
-            f"| tokens/s, mean of {len(https)} rounds | {_f(e2e)} | {_f(http_tok)} |",
-            f"| requests ok / failed (round 1) | {ld['requests']['ok']} / {ld['requests']['failed']} | "
-            f"{h0['requests']['ok']} / {h0['requests']['failed']} |",
+            "| | " + " | ".join(name for name, _ in columns) + " |",
+            "| --- |" + " ---: |" * len(columns),
+            f"| tokens/s, mean of {len(https)} rounds | "
+            + " | ".join(_f(sum(x["tokens"]["per_s"] for x in runs) / len(runs)) for _, runs in columns)
+            + " |",
+            "| requests ok / failed (round 1) | "
+            + " | ".join(f"{x['requests']['ok']} / {x['requests']['failed']}" for x in firsts)
+            + " |",
             *(
                 f"| {label} p50 / p99 ms (round 1) | "
-                + " | ".join(f"{_f(x[key].get('p50'), d)} / {_f(x[key].get('p99'), d)}" for x in (ld, h0))
+                + " | ".join(f"{_f(x[key].get('p50'), d)} / {_f(x[key].get('p99'), d)}" for x in firsts)
                 + " |"
                 for label, key, d in (("TTFT", "ttft_ms", 0), ("inter-token", "itl_ms", 1))
             ),
             "",
-            "HTTP inter-token latency is per SSE chunk (a chunk may carry several tokens when a client falls",
+            "HTTP inter-token latency is per SSE chunk"
+            + (", the Responses WebSocket's per delta event" if oaiws else "")
+            + " (a chunk may carry several tokens when a client falls",
             "behind); tokens count from each response's `usage`.",
         ]
     return lines

@@ -96,8 +96,9 @@ class LoadConfig:
     token: str | None = None
     server_pid: int | None = None
     sse_model: str = "SmolLM2-135M-Instruct"
-    api: str = "tokenwire"  # tokenwire (WebSocket) | openai (streaming chat completions over HTTP)
-    api_model: str = "default"  # with api openai: the body's model
+    # tokenwire (WebSocket) | openai (streaming chat completions over HTTP) | openai-ws (Responses WebSocket)
+    api: str = "tokenwire"
+    api_model: str = "default"  # with api openai or openai-ws: the body's model
     json_path: Path | None = None
     plot_path: Path | None = None
     scenario: str = "normal"  # normal | hostile-prompt (hostile.py)
@@ -119,8 +120,8 @@ class LoadConfig:
             raise ValueError(f"--verify must be one of {', '.join(VERIFY_MODES)}")
         if self.scenario not in SCENARIOS:
             raise ValueError(f"--scenario must be one of {', '.join(SCENARIOS)}")
-        if self.api == "openai" and (self.idle or self.drop_rate or self.subprotocol != "msgpack"):
-            raise ValueError("--api openai has no --idle, --drop-rate or --subprotocol (HTTP streams)")
+        if self.api != "tokenwire" and (self.idle or self.drop_rate or self.subprotocol != "msgpack"):
+            raise ValueError(f"--api {self.api} has no --idle, --drop-rate or --subprotocol (OpenAI streams)")
 
     def describe(self) -> dict[str, object]:
         """The configuration as plain JSON values (for the report)."""
@@ -152,12 +153,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", nargs="?", help="the server's WebSocket URL, e.g. ws://127.0.0.1:8765/v1/ws")
     p.add_argument(
         "--api",
-        choices=("tokenwire", "openai"),
+        choices=("tokenwire", "openai", "openai-ws"),
         default="tokenwire",
         help="openai: drive any OpenAI-compatible server (URL http://HOST:PORT/v1) with streaming chat "
-        "completions, same workload and report (default: tokenwire's WebSocket protocol)",
+        "completions; openai-ws: with OpenAI's Responses WebSocket mode (GET /v1/responses upgraded, same "
+        "URL); same workload and report (default: tokenwire's WebSocket protocol)",
     )
-    p.add_argument("--api-model", default="default", help="with --api openai: the model to ask for")
+    p.add_argument(
+        "--api-model", default="default", help="with --api openai or openai-ws: the model to ask for"
+    )
     e = p.add_argument_group("engine only (no server: the overhead baseline)")
     e.add_argument(
         "--engine-only",

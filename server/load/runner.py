@@ -199,6 +199,10 @@ async def run_load(
                 from server.load.openai_api import openai_conversation
 
                 await drive(state, openai_conversation(state))
+            elif cfg.api == "openai-ws":
+                from server.load.openai_ws import openai_ws_conversation
+
+                await drive(state, openai_ws_conversation(state))
             else:
                 await drive(state, websocket_conversation(state))
             ends = [r.done_at for r in state.records if r.done_at is not None]

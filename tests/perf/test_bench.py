@@ -116,3 +116,42 @@ def test_benchmarks_md_says_which_dtype_target_missed_and_why() -> None:
     assert "float32" not in why  # met both targets: nothing to explain
     assert "bfloat16, step / floor 2.30x (missed)" in why and "1.83x the floor" in why  # (35 + 20) / 30
     assert "bfloat16, engine / padded_loop 1.50x (missed)" in why and "40% of the 30.0 ms" in why
+
+
+def _load_report(per_s: float, measured: dict[str, float]) -> dict[str, Any]:
+    """The fields of a ``tokenwire load`` report that BENCHMARKS.md's end-to-end section reads."""
+    return {
+        "config": {"users": 32, "requests": 64},
+        "requests": {"ok": 64, "failed": 0},
+        "tokens": {"per_s": per_s},
+        "ttft_ms": {"p50": 400.0, "p95": 900.0, "p99": 1200.0},
+        "itl_ms": {"p50": 70.0, "p95": 120.0, "p99": 180.0},
+        "wire": {
+            "bytes_per_token": {"msgpack": 52.0, "json": 71.0, "sse": 210.0},
+            "ratio_to_sse": {"msgpack": 0.25, "json": 0.34},
+            "measured": {k: {"wire_per_token": v} for k, v in measured.items()},
+        },
+    }
+
+
+def test_benchmarks_md_puts_the_responses_websocket_beside_websocket_and_http() -> None:
+    from server.load.benchmarks import _render_e2e
+
+    r = {
+        "engine_only": [_load_report(320.0, {}), _load_report(330.0, {})],
+        "load32": [_load_report(300.0, {"msgpack": 53.0}), _load_report(290.0, {"msgpack": 53.0})],
+        "load32_http": [_load_report(310.0, {"sse": 233.0}), _load_report(312.0, {"sse": 233.0})],
+        "load32_openai_ws": [
+            _load_report(280.0, {"openai-ws": 300.0}),
+            _load_report(284.0, {"openai-ws": 300.0}),
+        ],
+    }
+    text = "\n".join(_render_e2e(r))
+    assert "| Responses WebSocket event, measured | 300.0 | 1.43x |" in text
+    assert "| | WebSocket (msgpack/JSON) | HTTP (SSE) | Responses WebSocket (JSON) |" in text
+    assert "| tokens/s, mean of 2 rounds | 295.0 | 311.0 | 282.0 |" in text
+    assert "| requests ok / failed (round 1) | 64 / 0 | 64 / 0 | 64 / 0 |" in text
+    # An earlier run's results, without the Responses WebSocket runs, still render their two columns.
+    del r["load32_openai_ws"]
+    old = "\n".join(_render_e2e(r))
+    assert "| | WebSocket (msgpack/JSON) | HTTP (SSE) |\n" in old and "Responses" not in old

@@ -195,6 +195,7 @@ async def test_engine_only_runs_the_same_workload_as_the_server(
         ([], "give the server's URL"),
         (["--engine-only", "--idle", "5"], "no --idle"),
         (["ws://127.0.0.1:1/v1/ws", "--threads", "1"], "go with --engine-only"),
+        (["http://127.0.0.1:1/v1", "--api", "openai-ws", "--drop-rate", "0.5"], "no --idle, --drop-rate"),
     ],
 )
 def test_engine_only_flags_are_checked(args: list[str], message: str) -> None:
@@ -221,3 +222,30 @@ async def test_load_api_openai_runs_the_same_workload_over_http(served: ServePro
     assert rep["ttft_ms"]["n"] == 4 and rep["config"]["api"] == "openai"
     sse = rep["wire"]["measured"]["sse"]
     assert sse["tokens"] > 0 and sse["wire_per_token"] > ws["wire"]["measured"]["msgpack"]["wire_per_token"]
+
+
+async def test_load_api_openai_ws_runs_the_same_workload_over_the_responses_websocket(
+    served: ServeProcess,
+) -> None:
+    """``--api openai-ws`` (``response.create`` on ``/v1/responses`` upgraded, later turns continued by
+    ``previous_response_id``): the same conversations as ``--api openai`` sends over HTTP with the whole
+    history. Greedy on one user, so both runs generate the same texts: equal prompt and completion tokens
+    over two turns. A complete report (tokens/s, TTFT, inter-token latency, bytes) and every request ok."""
+
+    def cfg(**kw: Any) -> LoadConfig:
+        return LoadConfig(
+            users=1, turns=2, requests=4, max_tokens=Dist("uniform", 8, 16), temperature=0.0, seed=5, **kw
+        )
+
+    http = served.url.replace("ws://", "http://").removesuffix("/ws")
+    ref = await run(cfg(url=http, api="openai"), progress=False)
+    rep = await run(cfg(url=http, api="openai-ws"), progress=False)
+    rq, tk = rep["requests"], rep["tokens"]
+    assert rq["issued"] == rq["ok"] == 4 and rq["failed"] == 0, rq["failed_by_code"]
+    assert sum(rq["finish_reasons"].values()) == 4 and set(rq["finish_reasons"]) <= {"stop", "length"}
+    assert tk["completion"] == tk["streamed_live"] > 0 and tk["per_s"] > 0
+    assert (tk["prompt"], tk["completion"]) == (ref["tokens"]["prompt"], ref["tokens"]["completion"])
+    assert rep["ttft_ms"]["n"] == 4 and rep["itl_ms"]["n"] > 0 and rep["latency_ms"]["n"] == 4
+    assert rep["config"]["api"] == "openai-ws" and rep["servers"]
+    measured = rep["wire"]["measured"]["openai-ws"]
+    assert 0 < measured["tokens"] <= tk["streamed_live"] and measured["wire_per_token"] > 0

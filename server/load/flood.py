@@ -125,7 +125,6 @@ async def _ws_hostile(url: str, n: int, ledger: Ledger, stop: asyncio.Event) -> 
         points = tuple(ResumePoint(id=f"{prefix}rp{i}", offset=0) for i in range(MAX_RESUME_POINTS))
         for p in points:
             ledger.send(p.id)
-        await client.send(Hello(resume=points))
 
         async def read(client: Client = client, prefix: str = prefix) -> None:
             with contextlib.suppress(Exception):
@@ -140,8 +139,12 @@ async def _ws_hostile(url: str, n: int, ledger: Ledger, stop: asyncio.Event) -> 
                         ledger.answer(fid, f.type)
             ledger.close_all(prefix)
 
-        reader = asyncio.create_task(read())
+        reader: asyncio.Task[None] | None = None
         try:
+            # Everything after the handshake is inside this try: the client is closed however the
+            # connection ends (the server closing it, or the flood's end cancelling this task).
+            await client.send(Hello(resume=points))
+            reader = asyncio.create_task(read())
             long = Chat(id=f"{prefix}long", content="tell me a long story", params=Params(max_tokens=256))
             await client.send(long)
             ledger.send(long.id)
@@ -162,10 +165,11 @@ async def _ws_hostile(url: str, n: int, ledger: Ledger, stop: asyncio.Event) -> 
         except Exception:
             pass
         finally:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(BaseException):
                 await client.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reader, 5)
+            if reader is not None:
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
             ledger.close_all(prefix)
 
 

@@ -74,6 +74,12 @@ def run_cluster(args: argparse.Namespace) -> int:
         str(args.lease_ttl),
         "--retention",
         str(getattr(args, "retention", 24 * 3600.0)),
+        "--session-ttl",
+        str(getattr(args, "session_ttl", 24 * 3600.0)),
+        "--history-max-messages",
+        str(getattr(args, "history_max_messages", 64)),
+        "--history-max-bytes",
+        str(getattr(args, "history_max_bytes", 1 << 20)),
         "--log-level",
         args.log_level,
     ]

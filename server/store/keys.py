@@ -83,6 +83,13 @@ class Keys:
             raise ValueError(f"not a request key under {self.prefix!r}: {req_key!r}")
         return f"{head[:-4]}log:{req_key[len(head) :]}"
 
+    def req_of(self, log_key: str) -> str:
+        """The request hash of the token log ``log_key`` (the inverse of :meth:`log_of`)."""
+        head = self._base(self.partition_of(log_key)) + "log:"
+        if not log_key.startswith(head):
+            raise ValueError(f"not a log key under {self.prefix!r}: {log_key!r}")
+        return f"{head[:-4]}req:{log_key[len(head) :]}"
+
     def inflight(self, owner: str) -> str:
         """Set of an owner's request keys that may still be queued or running (submit.lua prunes it)."""
         return f"{self._own(owner)}inflight:{len(owner)}:{owner}"
@@ -101,7 +108,11 @@ class Keys:
         return f"{self._base(partition)}hist:{session}"
 
     def session(self, session: str, owner: str) -> str:
-        return f"{self._own(owner)}sess:{session}"
+        return self.session_in(self.partition(owner), session)
+
+    def session_in(self, partition: int, session: str) -> str:
+        """:meth:`session` by the partition (as :meth:`history_in`): finish.lua counts history bytes there."""
+        return f"{self._base(partition)}sess:{session}"
 
     def cache(self, key: str, owner: str | None, asker: str = "") -> str:
         """A response-cache entry (the log of a deterministic request), by the hash of its inputs: the
@@ -135,8 +146,12 @@ class Keys:
         return f"{self._base(partition)}queue:w:{worker}"
 
     def worker_requests(self, worker: str, partition: int = 0) -> str:
-        """Set of the request keys (of one partition) a worker is running."""
-        return f"{self._base(partition)}wreqs:{worker}"
+        """Hash of the requests (of one partition) a worker is running: the token log's key -> the tokens
+        logged so far (its end offset). The fence of every write: a worker appends to a log only while it
+        is a field here, at exactly its value; every transition that takes a request from the worker
+        (finish, cancel, re-queue, reap, the detach timeout) removes it in the same script. (Named
+        ``held:``; a set named ``wreqs:`` before step writes, so an old key is never misread.)"""
+        return f"{self._base(partition)}held:{worker}"
 
     def wake(self, reader: str, partition: int = 0) -> str:
         """A log reader's wake-up stream, in the partition of the logs it reads with it."""

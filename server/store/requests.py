@@ -15,15 +15,18 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
+import structlog
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from server.store.keys import Keys
+
+log = structlog.get_logger(__name__)
 
 FINAL_STATES = frozenset({"done", "failed", "cancelled"})
 # A worker that writes at the wrong offset (a bug) gets its request taken away and re-queued this many
@@ -31,9 +34,14 @@ FINAL_STATES = frozenset({"done", "failed", "cancelled"})
 MAX_MISMATCH_REQUEUES = 3
 
 
-def _load_script(r: aioredis.Redis, name: str) -> AsyncScript:
-    source = resources.files("server.store").joinpath("lua", f"{name}.lua").read_text()
-    return r.register_script(source)
+def _lua(name: str) -> str:
+    return resources.files("server.store").joinpath("lua", f"{name}.lua").read_text()
+
+
+def _load_script(r: aioredis.Redis, name: str, *includes: str) -> AsyncScript:
+    """A transition's script, after the shared Lua it calls (``includes``: local functions, prepended:
+    Redis scripts have no import, and a Redis Function library would outlive a deploy that changed it)."""
+    return r.register_script("\n".join([*(_lua(i) for i in includes), _lua(name)]))
 
 
 async def execute(pipe: Any) -> Any:
@@ -70,6 +78,15 @@ def _info(owner: str, id: str, f: list[Any]) -> RequestInfo:
 
 # What a tombstone's payload leaves out: the prompt, whose size only the frame or body limit bounds.
 _PROMPT_FIELDS = ("messages", "instructions")
+
+
+def _log_end(entries: list[Any]) -> int:
+    """The tokens a log holds, from its last entry (as XREVRANGE/XRANGE return it; 0 for none): a delta
+    at offset o of n tokens ends at o + n, an end entry's offset is the total."""
+    if not entries:
+        return 0
+    fields = entries[-1][1]
+    return int(fields.get(b"o", 0)) + int(fields.get(b"n", 0))
 
 
 def tombstone_payload(payload: dict[str, Any]) -> str:
@@ -119,6 +136,7 @@ class WorkItem:
     req_key: str
     log_key: str
     history_key: str
+    session_key: str
     payload: dict[str, Any]
     completion_tokens: int  # > 0: a re-queued request to continue after these logged tokens
     epoch: int
@@ -136,6 +154,9 @@ class Settings:
     max_queued: int = 0  # 0: unbounded
     max_inflight_per_user: int = 0  # requests one owner may have queued or running at once; 0: unbounded
     history_max_messages: int = 64
+    # A session's history is also bounded in bytes: the oldest turns go first (history.lua), so one
+    # session costs Redis at most this plus its newest turn, whatever its messages weigh.
+    history_max_bytes: int = 1 << 20
     session_ttl_ms: int = 24 * 3600 * 1000
     cache_ttl_ms: int = 10 * 60 * 1000  # response cache for deterministic requests
     # A request refused before it generated anything (too_large, overloaded, a prompt that cannot be
@@ -170,10 +191,12 @@ class RequestStore:
         self.r = r
         self.keys = keys or Keys()
         self.settings = settings or Settings()
-        self._submit = _load_script(r, "submit")
+        self._submit = _load_script(r, "submit", "history")
         self._start = _load_script(r, "start")
-        self._append = _load_script(r, "append")
-        self._finish = _load_script(r, "finish")
+        self._step = _load_script(r, "step")
+        self._mismatch = _load_script(r, "mismatch")
+        self._detach = _load_script(r, "detach")
+        self._finish = _load_script(r, "finish", "history")
         self._cancel = _load_script(r, "cancel")
         self._touch = _load_script(r, "touch")
         self._heartbeat = _load_script(r, "heartbeat")
@@ -197,7 +220,9 @@ class RequestStore:
         for script in (
             self._submit,
             self._start,
-            self._append,
+            self._step,
+            self._mismatch,
+            self._detach,
             self._finish,
             self._cancel,
             self._touch,
@@ -303,6 +328,7 @@ class RequestStore:
                 cache,
                 model,
                 route,
+                st.history_max_bytes,
             ],
         )
         outcome, epoch, state = _s(res[0]), int(res[1]), _s(res[2])
@@ -311,9 +337,20 @@ class RequestStore:
         return SubmitResult(outcome, epoch, state)
 
     async def get(self, owner: str, id: str) -> RequestInfo | None:
-        """The request's current record, or None if unknown (never created, other owner, or expired)."""
-        f = await self.r.hmget(self.keys.request(owner, id), list(_INFO_FIELDS))
-        return None if f[0] is None else _info(owner, id, f)
+        """The request's current record, or None if unknown (never created, other owner, or expired).
+
+        While it runs, the tokens logged so far are its worker's to count (the held hash, step.lua) and
+        the record's ``completion_tokens`` lags: they are read from the log's last entry, in the same
+        transaction."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hmget(self.keys.request(owner, id), list(_INFO_FIELDS))
+        pipe.xrevrange(self.keys.log(owner, id), count=1)
+        f, last = await execute(pipe)
+        if f[0] is None:
+            return None
+        info = _info(owner, id, f)
+        logged = _log_end(last)
+        return replace(info, completion_tokens=logged) if logged > info.completion_tokens else info
 
     async def view(self, owner: str, id: str) -> RequestView | None:
         """The request's record, its payload and the text logged so far, read in one transaction (the
@@ -334,6 +371,9 @@ class RequestStore:
                 error_message = _s(fields.get(b"m", b""))
             elif b"t" in fields:
                 text.append(_s(fields[b"t"]))
+        logged = _log_end(entries[-1:])
+        if logged > info.completion_tokens:  # running: see get()
+            info = replace(info, completion_tokens=logged)
         return RequestView(
             info=info,
             payload=json.loads(_s(f[n])) if f[n] else {},
@@ -470,6 +510,7 @@ class RequestStore:
             req_key=req_key,
             log_key=log_key,
             history_key=self.keys.history_in(p, payload.get("session") or "-"),
+            session_key=self.keys.session_in(p, payload.get("session") or "-"),
             payload=payload,
             completion_tokens=int(res[1]),
             epoch=int(res[2]),
@@ -511,79 +552,75 @@ class RequestStore:
         st = self.settings
         k = self.keys
         scripted: list[tuple[AsyncScript, list[str], list[Any]]] = []
-        calls: list[int] = []
-        for op in ops:
-            n = 0
-            p = self.partition_of(op.item.req_key)
-            wreqs = k.worker_requests(worker, p)
+        # The deltas: one step.lua call per partition for all of them (one slot per call on a cluster).
+        by_partition: dict[int, list[int]] = {}
+        for i, op in enumerate(ops):
             if op.n > 0:
-                scripted.append(
-                    (
-                        self._append,
-                        [
-                            op.item.req_key,
-                            op.item.log_key,
-                            wreqs,
-                            k.queue(p, op.item.route),
-                            k.queued_count(p, op.item.route),
-                        ],
-                        [
-                            worker,
-                            op.offset,
-                            op.n,
-                            op.text,
-                            op.prompt_tokens,
-                            ",".join(map(str, op.token_ids)),
-                            st.retention_ms,
-                            MAX_MISMATCH_REQUEUES,
-                        ],
-                    )
+                by_partition.setdefault(self.partition_of(op.item.req_key), []).append(i)
+        step_calls: list[list[int]] = []
+        for p, idx in by_partition.items():
+            args: list[Any] = [worker]
+            for i in idx:
+                op = ops[i]
+                args += [op.offset, op.n, op.text, ",".join(map(str, op.token_ids))]
+            scripted.append(
+                (self._step, [k.worker_requests(worker, p), *(ops[i].item.log_key for i in idx)], args)
+            )
+            step_calls.append(idx)
+        # The ends, after the deltas in the same pipeline (one Redis runs them in order).
+        finishing: list[int] = []
+        for i, op in enumerate(ops):
+            if op.finish is None:
+                continue
+            # Refused before its first token: finish.lua keeps only a tombstone (it checks the log is
+            # empty itself; this only spares normal ends the bytes of the slim payload).
+            refused = op.finish == "error" and op.offset == 0 and op.n == 0
+            scripted.append(
+                (
+                    self._finish,
+                    [
+                        op.item.req_key,
+                        op.item.log_key,
+                        op.item.history_key,
+                        k.worker_requests(worker, self.partition_of(op.item.req_key)),
+                        op.item.session_key,
+                    ],
+                    [
+                        worker,
+                        op.finish,
+                        op.prompt_tokens,
+                        op.reply_text,
+                        st.retention_ms,
+                        op.error_code,
+                        op.error_message,
+                        st.history_max_messages,
+                        st.session_ttl_ms,
+                        min(st.refused_ttl_ms, st.retention_ms),
+                        tombstone_payload(op.item.payload) if refused else "",
+                        st.history_max_bytes,
+                    ],
                 )
-                n += 1
-            if op.finish is not None:
-                # Refused before its first token: finish.lua keeps only a tombstone (it checks the log is
-                # empty itself; this only spares normal ends the bytes of the slim payload).
-                refused = op.finish == "error" and op.offset == 0 and op.n == 0
-                scripted.append(
-                    (
-                        self._finish,
-                        [
-                            op.item.req_key,
-                            op.item.log_key,
-                            op.item.history_key,
-                            wreqs,
-                        ],
-                        [
-                            worker,
-                            op.finish,
-                            op.prompt_tokens,
-                            op.reply_text,
-                            st.retention_ms,
-                            op.error_code,
-                            op.error_message,
-                            st.history_max_messages,
-                            st.session_ttl_ms,
-                            min(st.refused_ttl_ms, st.retention_ms),
-                            tombstone_payload(op.item.payload) if refused else "",
-                        ],
-                    )
-                )
-                n += 1
-            calls.append(n)
+            )
+            finishing.append(i)
         results = await self._run_scripts(scripted)
-        out: list[bool] = []
+        held = [True] * len(ops)
+        mismatched: list[int] = []
+        for idx, res in zip(step_calls, results, strict=False):
+            for i, r in zip(idx, res, strict=True):
+                if int(r) != 1:
+                    held[i] = False
+                    if int(r) == -1:
+                        mismatched.append(i)
         caches: list[tuple[str, Any]] = []
-        i = 0
-        for op, n in zip(ops, calls, strict=True):
-            held = True
-            for res in results[i : i + n]:
-                if isinstance(res, bytes | str):  # finish.lua: ended normally, here is its cache entry
-                    if op.item.cache_key:
-                        caches.append((op.item.cache_key, res))
-                elif int(res) != 1:
-                    held = False
-            out.append(held)
-            i += n
+        for i, res in zip(finishing, results[len(step_calls) :], strict=True):
+            op = ops[i]
+            if isinstance(res, bytes | str):  # finish.lua: ended normally, here is its cache entry
+                if op.item.cache_key:
+                    caches.append((op.item.cache_key, res))
+            elif int(res) != 1:
+                held[i] = False
+        if mismatched:
+            await self._mismatches([ops[i] for i in mismatched], worker)
         if caches:
             # After the transitions, in commands of their own: a shared cache entry is in another slot.
             # Losing one (a crash here) only costs a later identical chat its cache hit.
@@ -591,7 +628,50 @@ class RequestStore:
             for key, value in caches:
                 cpipe.set(key, value, px=st.cache_ttl_ms)
             await execute(cpipe)
-        return out
+        return held
+
+    async def _mismatches(self, ops: list[StepOp], worker: str) -> None:
+        """Ops whose offset was not their log's end (a bug in the caller): re-queue each request (it is
+        continued after its logged tokens) or, past MAX_MISMATCH_REQUEUES, fail it (mismatch.lua)."""
+        k = self.keys
+        calls: list[tuple[AsyncScript, list[str], list[Any]]] = []
+        for op in {op.item.req_key: op for op in ops}.values():
+            p = self.partition_of(op.item.req_key)
+            calls.append(
+                (
+                    self._mismatch,
+                    [
+                        op.item.req_key,
+                        op.item.log_key,
+                        k.worker_requests(worker, p),
+                        k.queue(p, op.item.route),
+                        k.queued_count(p, op.item.route),
+                    ],
+                    [worker, self.settings.retention_ms, op.prompt_tokens, MAX_MISMATCH_REQUEUES],
+                )
+            )
+            log.warning("store.offset_mismatch", request=op.item.req_key, offset=op.offset, worker=worker)
+        await self._run_scripts(calls)
+
+    async def detach_sweep(self, worker: str) -> int:
+        """Cancel the running requests of ``worker`` that no client has been attached to for the detach
+        timeout (detach.lua, one call per partition it holds requests in); how many. The worker calls it
+        about every second: a request cancelled here stops at its next step (step.lua answers 0)."""
+        pipe = self.r.pipeline(transaction=False)
+        for p in self.partitions:
+            pipe.hkeys(self.keys.worker_requests(worker, p))
+        calls: list[tuple[AsyncScript, list[str], list[Any]]] = []
+        for p, logs in zip(self.partitions, await execute(pipe), strict=True):
+            if not logs:
+                continue
+            keys = [self.keys.worker_requests(worker, p)]
+            for raw in logs:
+                log_key = _s(raw)
+                keys += [self.keys.req_of(log_key), log_key]
+            calls.append((self._detach, keys, [worker, self.settings.retention_ms]))
+        if not calls:
+            return 0
+        return sum(len(r) for r in await self._run_scripts(calls))
 
     async def _run_scripts(self, calls: list[tuple[AsyncScript, list[str], list[Any]]]) -> list[Any]:
         """Run script calls in one non-transactional pipeline (on a cluster: one per node, sent at once)
@@ -666,7 +746,8 @@ class RequestStore:
         for p in self.partitions:
             wreqs = k.worker_requests(dead_worker, p)
             while True:
-                running = sorted(_s(m) for m in await self.r.smembers(wreqs))
+                logs = sorted(_s(m) for m in await self.r.hkeys(wreqs))
+                running = [k.req_of(log_key) for log_key in logs]
                 routes: list[str] = []
                 if running:
                     pipe = self.r.pipeline(transaction=False)
@@ -683,10 +764,10 @@ class RequestStore:
                             *running,
                             *(key for r in routes for key in (k.queue(p, r), k.queued_count(p, r))),
                         ],
-                        args=[dead_worker, self.GROUP, len(running)],
+                        args=[dead_worker, self.GROUP, len(running), *logs],
                     )
                 )
-                if n != -2:  # -2: it started another request since we read its set
+                if n != -2:  # -2: it started another request since we read its hash
                     total += n
                     break
         await self._lease(keys=lease_keys, args=[dead_worker, me, "drop"])
@@ -696,13 +777,14 @@ class RequestStore:
     async def unheld(self, worker: str, held: Collection[str]) -> dict[str, tuple[int, str]]:
         """The requests the store says ``worker`` runs (its running sets, every partition) that are not in
         ``held``, the ones the worker knows it runs: req key -> (started_ms, route) as read now. Reads
-        only (one pipelined SMEMBERS per partition, then one HMGET per request not held): a snapshot that
+        only (one pipelined HKEYS per partition, then one HMGET per request not held): a snapshot that
         may already be stale, which :meth:`requeue_orphan` fences. Take ``held`` before calling, so that
         a request started after the snapshot shows up only if it was started after the read too."""
         pipe = self.r.pipeline(transaction=False)
         for p in self.partitions:
-            pipe.smembers(self.keys.worker_requests(worker, p))
-        members = sorted({_s(m) for ms in await execute(pipe) for m in ms} - set(held))
+            pipe.hkeys(self.keys.worker_requests(worker, p))
+        logs = {_s(m) for ms in await execute(pipe) for m in ms}
+        members = sorted({self.keys.req_of(log_key) for log_key in logs} - set(held))
         if not members:
             return {}
         pipe = self.r.pipeline(transaction=False)
@@ -725,7 +807,13 @@ class RequestStore:
         while True:
             res = int(
                 await self._orphan(
-                    keys=[k.worker_requests(worker, p), req_key, k.queue(p, route), k.queued_count(p, route)],
+                    keys=[
+                        k.worker_requests(worker, p),
+                        req_key,
+                        k.queue(p, route),
+                        k.queued_count(p, route),
+                        k.log_of(req_key),
+                    ],
                     args=[worker, started_ms, route],
                 )
             )

@@ -1,8 +1,9 @@
 """Feeds the engine from the store and writes each engine step back to the token logs.
 
 The engine thread hands over all of a step's outputs in one call; this loop turns them into one
-pipelined round trip to Redis (append + finish scripts), and stops generating any request the store says
-this worker no longer holds (it was cancelled, or taken over). The other way round, it re-queues any
+pipelined round trip to Redis (one step script per partition for every delta, a finish script per
+request that ends), and stops generating any request the store says this worker no longer holds (it was
+cancelled, detached or taken over). The other way round, it re-queues any
 request the store says it holds and it does not run (``_reconcile``).
 """
 
@@ -156,6 +157,7 @@ class Worker:
             *self._take_tasks,
             asyncio.create_task(self._write_loop(), name="worker-write"),
             asyncio.create_task(self._lease_loop(), name="worker-lease"),
+            asyncio.create_task(self._detach_loop(), name="worker-detach"),
         ]
 
     async def stop(self) -> None:
@@ -291,6 +293,25 @@ class Worker:
             except Exception as exc:
                 log.warning("worker.heartbeat_failed", error=str(exc))
                 self._store_failed(exc)
+
+    async def _detach_loop(self) -> None:
+        """The detach timeout: about every second (a quarter of the timeout when that is shorter), cancel
+        this worker's running requests that nobody has been attached to for the timeout. Its writes
+        (step.lua) no longer read every request's record on every step, which is what made a token cost
+        five commands; the cancelled ones stop at their next step."""
+        period = min(1.0, self.store.settings.detach_timeout_ms / 4000)
+        while True:
+            await asyncio.sleep(period)
+            if not self._items:
+                continue
+            try:
+                n = await self.store.detach_sweep(self.name)
+                if n:
+                    log.info("worker.detached", cancelled=n, worker=self.name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the store is away: the write loop and the lease loop say so
+                log.debug("worker.detach_sweep_failed", error=str(exc))
 
     async def _reconcile(self) -> None:
         """Re-queue the requests the store says this worker runs and it does not: started in Redis, but

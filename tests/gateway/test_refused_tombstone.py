@@ -65,7 +65,7 @@ async def test_a_refused_chat_leaves_a_short_tombstone_and_a_retry_gets_the_same
         assert done is not None and done.finish_reason == "error" and done.offset == 0
         [req_key] = [k async for k in redis.scan_iter(match=f"{keys.prefix}*req:*:big")]
         running = keys.worker_requests(server.workers[0].name, keys.partition_of(req_key.decode()))
-        assert not await redis.sismember(running, req_key)
+        assert not await redis.hexists(running, keys.log_of(req_key.decode()))
         record, ttl = await _record(redis, req_key)
         assert record[b"state"] == b"failed" and record[b"error_code"] == b"too_large"
         assert record[b"fp"] and record[b"owner"]  # what an idempotent retry needs

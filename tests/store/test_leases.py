@@ -88,7 +88,9 @@ async def test_detach_timeout_cancels_running_and_queued(redis: aioredis.Redis, 
         await asyncio.sleep(0.08)
         assert await store.touch([item.req_key]) == 1
     assert await store.write_step([StepOp(item, 0, 1, "a", 1)], "w1") == [True]
+    assert await store.detach_sweep("w1") == 0  # attached: nothing to do
     await asyncio.sleep(0.2)  # nobody attached for longer than the timeout
+    assert await store.detach_sweep("w1") == 1  # the worker's sweep (about every second)
     assert await store.write_step([StepOp(item, 1, 1, "b", 1)], "w1") == [False]
     info = await store.get("u", "r")
     assert info is not None and (info.state, info.finish_reason) == ("cancelled", "cancelled")
@@ -168,7 +170,7 @@ async def test_offset_mismatch_requeues_then_fails_never_stays_running(
     assert await store.write_step([StepOp(item, 5, 1, "c", 4, token_ids=(3,))], "w1") == [False]
     info = await store.get("u", "r")
     assert info is not None and (info.state, info.completion_tokens) == ("queued", 2)
-    assert not await redis.sismember(keys.worker_requests("w1", keys.partition("u")), item.req_key)
+    assert not await redis.hexists(keys.worker_requests("w1", keys.partition("u")), item.log_key)
     # Another worker continues it after the two logged tokens.
     again = await _take_start(store, "w2")
     assert again is not None and again.completion_tokens == 2

@@ -55,13 +55,13 @@ async def test_a_stale_member_is_dropped_and_an_ended_request_left_alone(
 ) -> None:
     store = RequestStore(redis, keys)
     item = await _started(store, "w1")
-    assert await store.cancel("u1", "r1") == "running"  # ended: cancel.lua removes it from the set
+    assert await store.cancel("u1", "r1") == "running"  # ended: cancel.lua removes it from the hash
     assert await store.unheld("w1", set()) == {}
-    # A member whose request is no longer running for w1 (a set left inconsistent) is not reported, and
+    # A field whose request is no longer running for w1 (a hash left inconsistent) is not reported, and
     # requeue_orphan removes it without touching the request.
     wreqs = keys.worker_requests("w1", keys.partition("u1"))
-    await redis.sadd(wreqs, item.req_key)
+    await redis.hset(wreqs, item.log_key, 0)
     assert await store.unheld("w1", set()) == {}
     assert not await store.requeue_orphan("w1", item.req_key, 0, "")
-    assert not await redis.sismember(wreqs, item.req_key)
+    assert not await redis.hexists(wreqs, item.log_key)
     assert await redis.hget(item.req_key, "state") == b"cancelled"

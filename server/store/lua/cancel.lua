@@ -1,7 +1,7 @@
 -- Cancel a request that has not ended: -> cancelled, and end its log so every attached reader gets done.
--- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] queued-requests counter, KEYS[4] the set of
---   running requests of the worker the caller saw holding it (any key of the partition when it saw none;
---   all keys are in the request's partition: one hash slot)
+-- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] queued-requests counter, KEYS[4] the held hash
+--   of the worker the caller saw holding it (any key of the partition when it saw none; all keys are in
+--   the request's partition: one hash slot). A running request's tokens logged are its value there.
 -- ARGV: 1 retention_ms, 2 the worker id the caller saw in the request ("" for none)
 -- Returns the state before the call ("queued", "running", or a final state, for which nothing changes),
 -- false when the request does not exist, or "moved" (nothing changed) when another worker holds it now
@@ -21,14 +21,16 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if state == 'running' and (f[4] or '') ~= ARGV[2] then
   return 'moved'
 end
+local total = f[2]
 if state == 'queued' then
   redis.call('DECR', KEYS[3])
 else
-  redis.call('SREM', KEYS[4], req)
+  total = redis.call('HGET', KEYS[4], KEYS[2]) or total
+  redis.call('HDEL', KEYS[4], KEYS[2])
 end
 redis.call('HSET', req, 'state', 'cancelled', 'finish_reason', 'cancelled', 'updated_ms', now,
-  'finished_ms', now)
-redis.call('XADD', KEYS[2], f[2] .. '-2', 'd', 'cancelled', 'o', f[2], 'pt', f[3])
+  'finished_ms', now, 'completion_tokens', total)
+redis.call('XADD', KEYS[2], total .. '-2', 'd', 'cancelled', 'o', total, 'pt', f[3] or 0)
 redis.call('PEXPIRE', req, ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return state

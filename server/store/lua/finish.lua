@@ -1,11 +1,12 @@
 -- End a running request: running -> done | failed, write the log's end entry, extend retention, and on a
 -- normal end of a session turn append the user message and the reply to the session history.
--- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] session history list, KEYS[4] the worker's set
---   of running requests in this partition (all in the owner's partition: one hash slot)
+-- KEYS[1] request hash, KEYS[2] token log stream, KEYS[3] session history list, KEYS[4] the worker's held
+--   hash in this partition (log -> tokens logged), KEYS[5] the session hash (all in the owner's partition:
+--   one hash slot)
 -- ARGV: 1 worker id, 2 finish reason (stop|length|error), 3 prompt tokens, 4 reply text,
 --       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms,
 --       10 the tombstone's ttl_ms, 11 the payload a tombstone keeps (JSON, without the prompt; "" when the
---       caller saw tokens generated)
+--       caller saw tokens generated), 12 history max bytes (history.lua's append_turn)
 -- A request that fails with no token logged (refused: too_large, overloaded, ...) and ARGV[11] given is
 -- kept as a tombstone only: what a retry needs (state, error, fingerprint, owner, the slim payload, the
 -- log's end entry), both expiring after ARGV[10]; the prompt, the user message and the cache key go now.
@@ -24,21 +25,25 @@ end
 if f[1] ~= 'running' or f[2] ~= ARGV[1] then
   return 0
 end
+local logged = redis.call('HGET', KEYS[4], KEYS[2])
+if not logged then
+  return 0  -- not held any more (a transition took it: the fence step.lua uses)
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local total = tonumber(f[3])
+local total = tonumber(logged)
 local reason = ARGV[2]
 local state = 'done'
 if reason == 'error' then state = 'failed' end
 redis.call('HSET', req, 'state', state, 'finish_reason', reason, 'prompt_tokens', ARGV[3],
-  'updated_ms', now, 'finished_ms', now, 'error_code', ARGV[6])
+  'updated_ms', now, 'finished_ms', now, 'error_code', ARGV[6], 'completion_tokens', total)
 local entry = {'d', reason, 'o', total, 'pt', ARGV[3]}
 if ARGV[6] ~= '' then
   table.insert(entry, 'e'); table.insert(entry, ARGV[6])
   table.insert(entry, 'm'); table.insert(entry, ARGV[7])
 end
 redis.call('XADD', KEYS[2], total .. '-2', unpack(entry))
-redis.call('SREM', KEYS[4], req)
+redis.call('HDEL', KEYS[4], KEYS[2])
 if state == 'failed' and total == 0 and (ARGV[11] or '') ~= '' then
   redis.call('HSET', req, 'payload', ARGV[11], 'tombstone', 1)
   redis.call('HDEL', req, 'user_msg', 'cache_key')
@@ -61,9 +66,7 @@ if state == 'done' and f[5] and f[5] ~= '' then
   cache = cjson.encode({e = entries, d = reason, pt = tonumber(ARGV[3])})
 end
 if state == 'done' and f[4] and f[4] ~= '' then
-  local reply = cjson.encode({role = 'assistant', content = ARGV[4]})
-  redis.call('RPUSH', KEYS[3], f[4], reply)
-  redis.call('LTRIM', KEYS[3], -tonumber(ARGV[8]), -1)
-  redis.call('PEXPIRE', KEYS[3], ARGV[9])
+  append_turn(KEYS[3], KEYS[5], f[4], cjson.encode({role = 'assistant', content = ARGV[4]}),
+    tonumber(ARGV[8]), tonumber(ARGV[12]), ARGV[9])
 end
 return cache or 1

@@ -6,8 +6,8 @@
 -- Fenced: only while it is still running for this worker under the start the caller saw (started_ms),
 -- so a request that ended, moved, or was re-queued and started again meanwhile is left alone.
 -- All keys are in the request's partition (one hash slot):
--- KEYS[1] the worker's set of running requests, KEYS[2] the request hash, KEYS[3] the work queue stream of
---   its model, KEYS[4] that queue's queued-requests counter
+-- KEYS[1] the worker's held hash, KEYS[2] the request hash, KEYS[3] the work queue stream of its model,
+--   KEYS[4] that queue's queued-requests counter, KEYS[5] the request's token log
 -- ARGV: 1 worker id, 2 the request's started_ms as the caller read it, 3 its route as the caller read it
 -- Returns 1 when re-queued; 0 when nothing was to be done (then a stale member of KEYS[1], one not running
 -- for this worker, is removed from it); -2 (nothing changed) when its route differs from ARGV[3]: the
@@ -15,7 +15,7 @@
 local req = KEYS[2]
 local f = redis.call('HMGET', req, 'state', 'worker', 'started_ms', 'route')
 if f[1] ~= 'running' or f[2] ~= ARGV[1] then
-  redis.call('SREM', KEYS[1], req)
+  redis.call('HDEL', KEYS[1], KEYS[5])
   return 0
 end
 if (f[3] or '') ~= ARGV[2] then
@@ -26,8 +26,12 @@ if (f[4] or '') ~= ARGV[3] then
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('SREM', KEYS[1], req)
+local logged = redis.call('HGET', KEYS[1], KEYS[5])
+redis.call('HDEL', KEYS[1], KEYS[5])
 redis.call('HSET', req, 'state', 'queued', 'worker', '', 'updated_ms', now)
+if logged then
+  redis.call('HSET', req, 'completion_tokens', logged)
+end
 redis.call('HINCRBY', req, 'requeues', 1)
 redis.call('INCR', KEYS[4])
 redis.call('XADD', KEYS[3], '*', 'req', req)

@@ -6,30 +6,34 @@
 -- re-queue each request once. Only unacknowledged work moves: start.lua deletes every entry it consumes,
 -- so whatever is left in a queue is work not yet started, and the script's cost is bounded by that.
 -- All keys are in one partition (one hash slot):
--- KEYS[1] the worker's set of running requests, KEYS[2] the work queue stream of the worker's model,
---   KEYS[3] its queued-requests counter, KEYS[4] the worker's own queue (requests routed to it by session
---   affinity, not yet started), KEYS[5..4+n] the n members of KEYS[1] as the caller read them (declared
---   keys), then for each member in that order the work queue and queued counter of its model (a request
---   goes back to its own model's queue; without them, KEYS[2] and KEYS[3])
--- ARGV: 1 worker id, 2 consumer group, 3 n (absent: every key from KEYS[5] is a member)
+-- KEYS[1] the worker's held hash (token log -> tokens logged), KEYS[2] the work queue stream of the
+--   worker's model, KEYS[3] its queued-requests counter, KEYS[4] the worker's own queue (requests routed
+--   to it by session affinity, not yet started), KEYS[5..4+n] the request hashes of the n fields of
+--   KEYS[1] as the caller read them (declared keys), then for each of them in that order the work queue
+--   and queued counter of its model (a request goes back to its own model's queue; without them, KEYS[2]
+--   and KEYS[3])
+-- ARGV: 1 worker id, 2 consumer group, 3 n, then the n token logs (the fields), in the order of KEYS[5..]
 -- Returns the number of running requests re-queued, or -2 (nothing changed) if KEYS[1] holds a request
--- the caller did not declare: it reads the set and retries.
+-- the caller did not declare: it reads the hash and retries.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local n_declared = tonumber(ARGV[3] or (#KEYS - 4))
+local n_declared = tonumber(ARGV[3])
 local declared = {}
-for i = 5, 4 + n_declared do declared[KEYS[i]] = i - 4 end
-local members = redis.call('SMEMBERS', KEYS[1])
-for _, req in ipairs(members) do
-  if not declared[req] then return -2 end
+for i = 1, n_declared do declared[ARGV[3 + i]] = i end
+local held = redis.call('HGETALL', KEYS[1])
+for i = 1, #held, 2 do
+  if not declared[held[i]] then return -2 end
 end
 local n = 0
-for _, req in ipairs(members) do
+for i = 1, #held, 2 do
+  local idx = declared[held[i]]
+  local req = KEYS[4 + idx]
   local f = redis.call('HMGET', req, 'state', 'worker')
   if f[1] == 'running' and f[2] == ARGV[1] then
-    redis.call('HSET', req, 'state', 'queued', 'worker', '', 'updated_ms', now)
+    redis.call('HSET', req, 'state', 'queued', 'worker', '', 'updated_ms', now,
+      'completion_tokens', held[i + 1])
     redis.call('HINCRBY', req, 'requeues', 1)
-    local j = 4 + n_declared + 2 * declared[req]
+    local j = 4 + n_declared + 2 * idx
     local queue, counter = KEYS[j - 1] or KEYS[2], KEYS[j] or KEYS[3]
     redis.call('INCR', counter)
     redis.call('XADD', queue, '*', 'req', req)

@@ -1,8 +1,9 @@
 -- A worker takes a queued request: queued -> running, recording which worker holds it, and consumes the
 -- queue entry that brought it (acknowledged and deleted, so a queue holds only work not yet started).
 -- One transition: the entry is never consumed without the request moving, nor the other way round.
--- KEYS[1] request hash, KEYS[2] queued-requests counter, KEYS[3] token log, KEYS[4] this worker's set of
---   running requests (what another worker re-queues if this one's lease lapses), KEYS[5] the queue stream
+-- KEYS[1] request hash, KEYS[2] queued-requests counter, KEYS[3] token log, KEYS[4] this worker's held
+--   hash (log -> tokens logged: what step.lua fences on and what another worker re-queues if this one's
+--   lease lapses), KEYS[5] the queue stream
 --   the entry came from (all in the request's partition: one hash slot)
 -- ARGV: 1 worker id, 2 retention_ms, 3 consumer group, 4 queue entry id
 -- Returns {payload, completion_tokens, epoch, queue wait ms, response-cache key or ""} or false when the request is gone or no longer
@@ -32,7 +33,7 @@ if tonumber(f[3]) > 0 and redis.call('EXISTS', KEYS[3]) == 0 then
   redis.call('HSET', req, 'completion_tokens', 0)
 end
 redis.call('HSET', req, 'state', 'running', 'worker', ARGV[1], 'started_ms', now, 'updated_ms', now)
-redis.call('SADD', KEYS[4], req)
 local r = redis.call('HMGET', req, 'payload', 'completion_tokens', 'epoch', 'cache_key')
+redis.call('HSET', KEYS[4], KEYS[3], tonumber(r[2] or '0'))
 -- updated_ms was set when it was queued (or re-queued): the difference is the time it waited.
 return {r[1], tonumber(r[2]), tonumber(r[3]), now - tonumber(f[4] or now), r[4] or ''}

@@ -16,7 +16,7 @@
 --       ("" for none: not cacheable, or a miss), 19 the response-cache key this request's log is cached
 --       under when it ends normally ("" when not cacheable), 20 the model that serves it, 21 its route
 --       ("" for the default model; KEYS[2] and KEYS[3] are that model's queue and counter in this
---       partition, and reap.lua re-queues the request to them)
+--       partition, and reap.lua re-queues the request to them), 22 history max bytes (history.lua)
 -- Returns {"attach", epoch, state} | {"conflict", 0, state} | {"overloaded", queued, ""} | {"new", 1, "queued"}
 --       | {"user_limit", in_flight, ""} (the owner already has that many queued or running; nothing written)
 --       | {"cached", 1, "done"} (answered from the response cache: the log is written, no worker runs)
@@ -70,9 +70,8 @@ if ARGV[18] ~= '' then
     redis.call('PEXPIRE', req, ARGV[11])
     redis.call('PEXPIRE', KEYS[6], ARGV[11])
     if ARGV[6] ~= '' then
-      redis.call('RPUSH', KEYS[8], ARGV[6], cjson.encode({role = 'assistant', content = table.concat(reply)}))
-      redis.call('LTRIM', KEYS[8], -tonumber(ARGV[12]), -1)
-      redis.call('PEXPIRE', KEYS[8], ARGV[13])
+      append_turn(KEYS[8], KEYS[10], ARGV[6], cjson.encode({role = 'assistant', content = table.concat(reply)}),
+        tonumber(ARGV[12]), tonumber(ARGV[22]), ARGV[13])
     end
     record_turn()
     return {'cached', 1, 'done'}

@@ -136,6 +136,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             http_request_timeout_s=getattr(args, "http_request_timeout", 30.0),
             max_http_connections=getattr(args, "max_http_connections", 4096),
             max_http_connections_per_peer=getattr(args, "max_http_connections_per_peer", 256),
+            ingress_bytes_per_peer=getattr(args, "ingress_bytes_per_peer", 16 << 20),
         ),
         store=Settings(
             lease_ttl_ms=int(args.lease_ttl * 1000),
@@ -143,6 +144,9 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             retention_ms=max(1, int(getattr(args, "retention", 24 * 3600.0) * 1000)),
             max_queued=getattr(args, "max_queued", 0),
             max_inflight_per_user=getattr(args, "max_inflight_per_user", 0),
+            session_ttl_ms=max(1, int(getattr(args, "session_ttl", 24 * 3600.0) * 1000)),
+            history_max_messages=max(2, getattr(args, "history_max_messages", 64)),
+            history_max_bytes=max(1, getattr(args, "history_max_bytes", 1 << 20)),
         ),
         redis_url=args.redis_url or os.environ.get("TOKENWIRE_REDIS_URL") or None,
         data_dir=Path(getattr(args, "data_dir", None) or os.environ.get("TOKENWIRE_DATA") or ".tokenwire"),
@@ -265,6 +269,24 @@ def main(argv: list[str] | None = None) -> int:
             default=24 * 3600.0,
             help="keep a finished request and its token log (for resume and retries) this long, seconds",
         )
+        p.add_argument(
+            "--session-ttl",
+            type=float,
+            default=24 * 3600.0,
+            help="keep an idle session and its history this long after its last use, seconds (default 1 day)",
+        )
+        p.add_argument(
+            "--history-max-messages",
+            type=int,
+            default=64,
+            help="a session's history keeps at most this many messages; the oldest turns go first",
+        )
+        p.add_argument(
+            "--history-max-bytes",
+            type=int,
+            default=1 << 20,
+            help="and at most this many bytes (the newest turn always stays; default 1 MiB)",
+        )
         p.add_argument("--log-level", default="info", help="debug, info, warning or error")
 
     def sockets(p: argparse.ArgumentParser) -> None:
@@ -330,6 +352,13 @@ def main(argv: list[str] | None = None) -> int:
             type=int,
             default=256,
             help="HTTP connections from one peer address (default 256; past it: 429)",
+        )
+        a.add_argument(
+            "--ingress-bytes-per-peer",
+            type=int,
+            default=16 << 20,
+            help="bytes a second read from all connections of one peer address together (default 16 MiB; "
+            "0: off, e.g. behind a reverse proxy, where every client has its address)",
         )
         d = p.add_argument_group("degradation under load (0 = off)")
         d.add_argument("--degrade-queue-depth", type=int, default=0, help="degrade new chats past this queue")
@@ -474,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     k.add_argument("--lease-ttl", type=float, default=10.0, help="worker lease, seconds")
     k.add_argument("--retention", type=float, default=24 * 3600.0, help="finished requests kept, seconds")
+    k.add_argument("--session-ttl", type=float, default=24 * 3600.0, help="idle sessions kept, seconds")
+    k.add_argument("--history-max-messages", type=int, default=64, help="messages a session's history keeps")
+    k.add_argument("--history-max-bytes", type=int, default=1 << 20, help="bytes a session's history keeps")
     k.add_argument("--log-level", default="info", help="debug, info, warning or error")
     k.set_defaults(func=_cluster)
 
@@ -509,6 +541,18 @@ def main(argv: list[str] | None = None) -> int:
     add_load_arguments(ld)
     ld.set_defaults(func=_load)
 
+    # Its own parser (server/load/capacity.py): listed here, parsed there.
+    sub.add_parser(
+        "capacity",
+        help="size gateways, workers and Redis shards for a load, from make bench's measured unit costs",
+        add_help=False,
+    )
+
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["capacity"]:
+        from server.load.capacity import main as capacity
+
+        return capacity(raw[1:])
     args = p.parse_args(argv)
     rc: int = args.func(args)
     return rc

@@ -34,6 +34,7 @@ from typing import Literal
 
 from protocol import ErrorCode, ProtocolError
 from server import metrics
+from server.gateway.ingress import Ingress, Pace
 from server.gateway.settings import GatewaySettings
 from server.store.requests import RequestStore
 
@@ -74,7 +75,7 @@ class ConnectionLimits:
     """One WebSocket connection's share of the limits: its buckets and the ids of its streams (attached,
     or reserved by a grant not yet attached)."""
 
-    def __init__(self, st: GatewaySettings) -> None:
+    def __init__(self, st: GatewaySettings, ingress: Pace) -> None:
         rate = st.chat_rate_per_connection
         self.chats = TokenBucket(rate=rate, burst=2 * rate)
         # Resumes replay whole logs: limited like chats, with a burst that lets one reconnect resume
@@ -85,13 +86,16 @@ class ConnectionLimits:
         # to store, prepare and template, so the chat rate alone would let one socket push 10 MiB/s.
         brate = float(st.chat_bytes_per_connection)
         self.chat_bytes = TokenBucket(rate=brate, burst=2 * brate)
-        # Every byte read, frames of any kind: twice the chat text's rate, paced rather than refused. It
-        # starts with 64 KiB of credit, so a client gains nothing by opening connection after connection.
-        self.ingress = TokenBucket(rate=2 * brate, burst=4 * brate, tokens=min(64 * 1024, 2 * brate))
+        # Every byte read, frames of any kind: paced rather than refused (ingress.py).
+        self.ingress = ingress
         self.streams: dict[str, int] = {}  # id -> grants holding a stream of it on this connection
 
     def count(self) -> int:
         return len(self.streams)
+
+    def close(self) -> None:
+        """The connection ended: its share of its peer's pace goes (idempotent)."""
+        self.ingress.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,13 +170,19 @@ class Admission:
         self.waiting_by_session: dict[str, int] = {}
         self.waiting_bytes = 0
         self.bytes_by_owner: dict[str, TokenBucket] = {}  # HTTP callers' chat text per second
+        self.ingress = Ingress(
+            per_connection=2.0 * settings.chat_bytes_per_connection,
+            per_peer=float(settings.ingress_bytes_per_peer),
+            flood_close_s=settings.flood_close_s,
+        )
 
     @property
     def max_frame_bytes(self) -> int:
         return self.settings.max_frame_bytes
 
-    def connection(self) -> ConnectionLimits:
-        return ConnectionLimits(self.settings)
+    def connection(self, peer: str) -> ConnectionLimits:
+        """The limits of a new WebSocket connection from address ``peer``; ``close()`` them when it ends."""
+        return ConnectionLimits(self.settings, self.ingress.open(peer))
 
     async def admit(self, ask: Ask, *, waits: Callable[[], Awaitable[bool]] | None = None) -> Grant:
         """Admit ``ask`` or raise ProtocolError (rate_limited / overloaded, with retry_after_ms). Nothing

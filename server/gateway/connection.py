@@ -42,6 +42,7 @@ from server import metrics
 from server.gateway.admission import Ask, Grant, Kind
 from server.gateway.auth import authenticate_user
 from server.gateway.core import GatewayCore
+from server.gateway.ingress import pace, peer_address
 from server.gateway.streams import batches
 from server.gateway.submit import ChatRequest
 from server.store.logs import LogEntry
@@ -63,7 +64,7 @@ class Connection:
         self.owner = ""
         self.weight = 1.0  # fair-share weight from the JWT tier claim
         self.coalesce_s = 0.0  # hello.coalesce_ms: at most one delta per stream this often
-        self.limits = core.admission.connection()
+        self.limits = core.admission.connection(peer_address(ws))
         self._attached: dict[str, asyncio.Task[None]] = {}
         self._waiting: set[asyncio.Task[None]] = set()  # content turns waiting for the previous turn
         self._turn_chain: asyncio.Task[None] | None = None  # the last of them
@@ -73,16 +74,16 @@ class Connection:
     async def run(self) -> None:
         try:
             async for message in self.ws:
-                # Reading is paced: a connection that sends more bytes a second than its budget waits
-                # here, websockets stops reading once a few frames are queued, and TCP pushes back on the
-                # sender. So one socket cannot keep the gateway busy parsing frames for everyone else.
-                wait = self.limits.ingress.take(len(message))
-                if wait:
-                    await asyncio.sleep(wait / 1000)
+                # Reading is paced (ingress.py): a connection that sends more bytes a second than its
+                # budget waits here, websockets stops reading once a few frames are queued, and TCP
+                # pushes back on the sender; one held back for too long in a row is closed.
+                if not await pace(self.ws, self.limits.ingress, len(message)):
+                    break
                 self.proto.receive_data(message)
                 for frame in self.proto.events_received():
                     await self._handle(frame)
                 await self._flush()
+                self.limits.ingress.done()
                 if self.proto.close_code is not None:
                     await self.ws.close(self.proto.close_code, self.proto.close_reason)
                     break
@@ -95,6 +96,7 @@ class Connection:
                 task.cancel()
             # A disconnect never cancels a request: it runs on and its log fills for a later resume.
             self._attached.clear()
+            self.limits.close()
 
     async def _flush(self) -> None:
         async with self._send_lock:
@@ -248,11 +250,14 @@ class Connection:
                 models=(await self.core.models.served()).names,
             )
         )
-        for point in hello.resume:
+        for i, point in enumerate(hello.resume, 1):
             try:
                 await self._resume(point.id, point.offset, point.epoch)
             except ProtocolError as exc:
                 self.proto.send_error(exc)
+            if i % 16 == 0:
+                # Up to 256 points, each a store lookup or two: answer as they come, not all at the end.
+                await self._flush()
 
     async def _chat(self, chat: Chat, grant: Grant) -> None:
         """Submit an admitted chat and attach its stream; the grant goes to the stream, or is released."""

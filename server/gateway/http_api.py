@@ -72,7 +72,7 @@ class HttpApi:
             max_body=MAX_BODY_BYTES,
             idle_timeout_s=st.http_idle_timeout_s,
             request_timeout_s=st.http_request_timeout_s,
-            ingress_bytes_per_s=2.0 * st.chat_bytes_per_connection,
+            ingress=self.core.admission.ingress,
             write_timeout_s=st.slow_reader_timeout_s,
             registry=self.connections,
             caps=self.caps,

@@ -24,6 +24,7 @@ import h11
 import structlog
 
 from server import metrics
+from server.gateway.ingress import Ingress, Pace
 
 log = structlog.get_logger(__name__)
 
@@ -58,9 +59,6 @@ class HttpResponse:
         callbacks, self.on_close = self.on_close, []
         for cb in callbacks:
             cb()
-
-
-INGRESS_START = 64 * 1024  # bytes a new connection may send before its pace applies
 
 
 class ConnectionCaps:
@@ -108,7 +106,7 @@ class HttpConnection(asyncio.Protocol):
         idle_timeout_s: float,
         write_timeout_s: float,
         request_timeout_s: float = 30.0,
-        ingress_bytes_per_s: float = 2 << 20,
+        ingress: Ingress | None = None,
         registry: set[HttpConnection] | None = None,
         caps: ConnectionCaps | None = None,
     ) -> None:
@@ -122,13 +120,11 @@ class HttpConnection(asyncio.Protocol):
         self.caps = caps
         self._peer: str | None = None  # counted in caps while set
         self._refuse = 0  # the status this connection is refused with (caps), 0 if it is not
-        # Bytes read are paced (bursts of twice the rate): past it, reading pauses and TCP pushes back,
-        # so a client sending bodies back to back cannot keep the gateway parsing them for everyone.
-        # A new connection starts with little credit (INGRESS_START bytes), so opening connection after
-        # connection buys no burst.
-        self._ingress_rate = ingress_bytes_per_s
-        self._ingress_tokens = float(min(INGRESS_START, ingress_bytes_per_s))
-        self._ingress_at = 0.0
+        # Bytes read are paced per connection and per peer (ingress.py): past either, reading pauses and
+        # TCP pushes back, so a client sending bodies back to back, or on many connections at once,
+        # cannot keep the gateway parsing them for everyone.
+        self._ingress = ingress
+        self._pace_of: Pace | None = None
         self._paused = False
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
         self.transport: asyncio.Transport | None = None
@@ -144,9 +140,11 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if self._ingress is not None:
+            self._pace_of = self._ingress.open(host, closes=False)
         if self.caps is not None:
-            peer = transport.get_extra_info("peername")
-            host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
             status = self.caps.take(host)
             if status == 200:
                 self._peer = host
@@ -166,19 +164,13 @@ class HttpConnection(asyncio.Protocol):
         self._data.set()
 
     def _pace(self, n: int) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        burst = 2 * self._ingress_rate
-        if self._ingress_at:
-            self._ingress_tokens = min(
-                burst, self._ingress_tokens + (now - self._ingress_at) * self._ingress_rate
-            )
-        self._ingress_at = now
-        self._ingress_tokens -= n
-        if self._ingress_tokens < 0 and not self._paused and self.transport is not None:
+        if self._pace_of is None:
+            return
+        wait = self._pace_of.take(n) or 0.0  # opened with closes=False: never None
+        if wait > 0 and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-            loop.call_later(-self._ingress_tokens / self._ingress_rate, self._unpause)
+            asyncio.get_running_loop().call_later(wait, self._unpause)
 
     def _unpause(self) -> None:
         self._paused = False
@@ -194,6 +186,8 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        if self._pace_of is not None:
+            self._pace_of.close()
         self._writable.set()
         self._data.set()
         if self._peer is not None and self.caps is not None:

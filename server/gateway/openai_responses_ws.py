@@ -34,6 +34,7 @@ from websockets.exceptions import ConnectionClosed
 
 from server.gateway.admission import Grant
 from server.gateway.http_common import ApiError, Caller, HttpCore, bad
+from server.gateway.ingress import pace, peer_address
 from server.gateway.responses_events import (
     PREFIX,
     NotABoundary,
@@ -61,7 +62,7 @@ class ResponsesSocket:
         self.core = api.core
         self.ws = ws
         self.caller = caller
-        self.limits = self.core.admission.connection()
+        self.limits = self.core.admission.connection(peer_address(ws))
         self.lanes: dict[Lane, asyncio.Task[None]] = {}
         self.warm: dict[str, list[dict[str, str]]] = {}  # warm-up id -> its conversation
         self.log = log.bind(server=self.core.name, owner=caller.owner)
@@ -71,10 +72,10 @@ class ResponsesSocket:
             await self._resume(self.ws.request.path if self.ws.request is not None else "")
             async for message in self.ws:
                 # Reading is paced as on /v1/ws: a flood waits here and TCP pushes back on the sender.
-                wait = self.limits.ingress.take(len(message))
-                if wait:
-                    await asyncio.sleep(wait / 1000)
+                if not await pace(self.ws, self.limits.ingress, len(message)):
+                    break
                 await self._event(message)
+                self.limits.ingress.done()
         except ConnectionClosed:
             pass
         finally:
@@ -85,6 +86,7 @@ class ResponsesSocket:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.lanes.clear()
+            self.limits.close()
 
     async def _event(self, message: str | bytes) -> None:
         lane: Lane = None

@@ -239,7 +239,9 @@ class Gateway:
             # Browsers send Origin; other clients (apps, scripts) do not, and are allowed (None).
             origins=[*self.settings.allowed_origins, None] if self.settings.allowed_origins else None,  # type: ignore[list-item]
             max_size=self.core.admission.max_frame_bytes,
-            max_queue=8,  # frames read ahead of the handler: at most 8 MiB per connection of 1 MiB frames
+            # Frames read ahead of the handler: at most 2 MiB per connection of 1 MiB frames. The
+            # handler paces reading (ingress.py); more read-ahead would only hold more memory.
+            max_queue=2,
             ping_interval=self.settings.ping_interval_s,
             ping_timeout=self.settings.ping_interval_s,
             compression=None,  # per-message deflate costs CPU and memory per socket for ~20-byte frames

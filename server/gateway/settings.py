@@ -25,6 +25,12 @@ class GatewaySettings:
     # Bytes of chat text (content or messages) per second per connection, bursts of twice that: the
     # default lets a 1 MiB chat through once a second, and small chats at the chat rate.
     chat_bytes_per_connection: int = 1 << 20
+    # Reading (SPEC §2.2, ingress.py): every connection is read at twice the chat-text rate, and the
+    # connections of one peer address together at this rate (0: no per-peer pace; behind a reverse
+    # proxy all clients share its address). A WebSocket held back by its own pace for flood_close_s
+    # in a row is closed with 1008 (0: only paced).
+    ingress_bytes_per_peer: int = 16 << 20
+    flood_close_s: float = 1.0
     resume_rate_per_connection: float = 10.0  # resumes per second, bursts of max(2 x that, max_streams)
     resume_rate_per_user: int = 200  # resumes per second per user, across all gateways
     # Streams one owner may have attached to this gateway at once, over all its connections and doors

@@ -87,7 +87,9 @@ async def test_waiting_turns_past_the_cap_are_refused_at_once(
     gw = GatewaySettings(port=0, chat_rate_per_connection=1000, chat_rate_per_user=1000)
     async with running_server(redis, redis_url, keys, gateway=gw) as server:
         c = await _busy_session(server)
-        big = "x" * 200_000
+        # 40 x 40 KB: within the chat-text burst (2 MiB), and read within a second of the pace (§2.2):
+        # more, back to back, is a flood that closes the connection (test_ingress.py).
+        big = "x" * 40_000
         ids = [f"w{i}" for i in range(40)]
         sent = time.monotonic()
         for i in ids:
@@ -286,7 +288,9 @@ async def test_chat_text_is_rated_in_bytes_per_connection_and_per_http_owner(
 ) -> None:
     # Ten 900 KB chats a second fit the chat rate, but they cost the store, the worker and the template
     # a thousand small ones each: the byte rate lets a big chat through about once a second.
-    gw = GatewaySettings(port=0, chat_bytes_per_connection=100_000)
+    # (The read pace is twice the byte rate, so two such chats back to back would be a flood that
+    # closes the connection, §2.2: that is test_ingress.py's, not this test's.)
+    gw = GatewaySettings(port=0, chat_bytes_per_connection=100_000, flood_close_s=0)
     async with running_server(redis, redis_url, keys, gateway=gw) as server:
         c = await Client.connect(server.url)
         big = (Message("user", "x" * 150_000),)

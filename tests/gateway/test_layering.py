@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "models": 0,
     "static": 0,
     "ui_config": 0,
+    "ingress": 0,
     "admission": 1,
     "degradation": 1,
     "streams": 2,

@@ -96,6 +96,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from server.load.noisy import run_scenario
 
         return run_scenario(args)
+    if args.scenario == "gateway-loss":
+        from server.load.gateway_loss import run_from_args as run_gateway_loss
+
+        return run_gateway_loss(args)
     try:
         cfg = config_from_args(args)
     except ValueError as exc:
@@ -106,6 +110,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         return _hostile(cfg)
     if cfg.scenario == "flood":
         return _flood(cfg, args.flood_clients, args.flood_duration)
+    if cfg.scenario == "store-cost":
+        return _store_cost(cfg, args.redis_url, args.key_prefix)
     engine = _load_engine(args.model, args.threads) if args.engine_only else None
     tune_for_long_lived_objects()  # thousands of idle connections: GC pauses would show up as RTT
     report = asyncio.run(run(cfg, progress=progress, engine=engine))
@@ -151,3 +157,22 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _store_cost(cfg: LoadConfig, redis_url: str | None, key_prefix: str) -> int:
+    import json
+
+    from server.load.store_cost import print_store_cost, run_store_cost
+
+    if not cfg.url or not redis_url:
+        print(
+            "tokenwire load: --scenario store-cost needs the server's URL and --redis-url "
+            "(a Redis of its own)",
+            file=sys.stderr,
+        )
+        return 2
+    report = asyncio.run(run_store_cost(cfg, redis_url, key_prefix))
+    print_store_cost(report)
+    if cfg.json_path is not None:
+        cfg.json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if report["load"]["requests_failed"] else 0

@@ -10,6 +10,7 @@ after it, for the memory each held connection costs the gateway.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections import Counter
@@ -37,6 +38,16 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
+def cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) a local process has used so far (Linux /proc), or None."""
+    try:
+        # The command name (field 2) may hold spaces: count the fields after its closing parenthesis.
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @dataclass(slots=True)
 class IdleStats:
     target: int = 0
@@ -52,12 +63,22 @@ class IdleStats:
     rtt: list[float] = field(default_factory=list)  # seconds, pings sent with every connection held
     rss_before_kib: int | None = None
     rss_after_kib: int | None = None
+    # The server's CPU while it only held the connections (from the memory reading to the stop).
+    hold_cpu_s: float | None = None
+    hold_s: float | None = None
 
     @property
     def kib_per_connection(self) -> float | None:
         if self.rss_before_kib is None or self.rss_after_kib is None or not self.connected:
             return None
         return (self.rss_after_kib - self.rss_before_kib) / self.connected
+
+    @property
+    def us_per_connection_s(self) -> float | None:
+        """Server CPU per held connection per second of holding (its pings and timers), microseconds."""
+        if self.hold_cpu_s is None or not self.hold_s or not self.connected:
+            return None
+        return self.hold_cpu_s * 1e6 / self.hold_s / self.connected
 
 
 class IdlePool:
@@ -71,6 +92,7 @@ class IdlePool:
         self._tasks: list[asyncio.Task[None]] = []
         self._rng = random.Random(f"{cfg.seed}:idle")
         self._t0 = 0.0
+        self._hold_from: tuple[float | None, float] | None = None
 
     def start(self) -> None:
         if self.cfg.server_pid is not None:
@@ -92,6 +114,7 @@ class IdlePool:
         if self.cfg.server_pid is not None:
             await asyncio.sleep(settle_s)
             self.stats.rss_after_kib = rss_kib(self.cfg.server_pid)
+            self._hold_from = (cpu_s(self.cfg.server_pid), time.perf_counter())
 
     async def _hold(self, i: int) -> None:
         st, cfg = self.stats, self.cfg
@@ -168,6 +191,11 @@ class IdlePool:
 
     async def stop(self) -> None:
         """Close every idle connection (a pending ping still gets its pong or its timeout)."""
+        if self._hold_from is not None and self._hold_from[0] is not None and self.cfg.server_pid is not None:
+            now = cpu_s(self.cfg.server_pid)
+            if now is not None:
+                self.stats.hold_cpu_s = now - self._hold_from[0]
+                self.stats.hold_s = time.perf_counter() - self._hold_from[1]
         self._stop.set()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)

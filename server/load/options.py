@@ -68,7 +68,8 @@ class Dist:
 
 SUBPROTOCOL_MODES = ("msgpack", "json", "both")
 VERIFY_MODES = ("drops", "all", "none")
-SCENARIOS = ("normal", "hostile-prompt", "flood")
+SCENARIOS = ("normal", "hostile-prompt", "flood", "store-cost")
+GATEWAY_LOSS_IDLE = 16_000  # --scenario gateway-loss's idle connections when --idle is not given
 
 
 @dataclass(slots=True)
@@ -214,14 +215,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--token", help="JWT for servers with auth on")
     w.add_argument(
         "--scenario",
-        choices=(*SCENARIOS, "soak", "noisy-neighbour"),
+        choices=(*SCENARIOS, "soak", "noisy-neighbour", "gateway-loss"),
         default="normal",
         help="normal: the workload above; hostile-prompt: the workload alone, then again while one client "
         "sends ~1 MiB 64-message chats; soak: --requests short chats (default 10000), then wait out "
         "--retention and report the store's memory at start, peak and end (needs --redis-url); "
         "noisy-neighbour: light users alone, then beside a heavy user under FIFO and fair share (starts its "
         "own servers: no URL); flood: the workload alone, then during --flood-duration of hostile clients "
-        "on every door (pass --server-pid for the gateway's memory)",
+        "on every door (pass --server-pid for the gateway's memory); store-cost: Redis commands, CPU and "
+        "bytes per token, per request and per resume, and bytes per idle session (needs --redis-url: a "
+        "Redis of the server's own); gateway-loss: kill -9 the busiest gateway of a local cluster (URL: "
+        "the first gateway) holding --idle and --streams connections, and time its clients' return to the "
+        "others (server/load/gateway_loss.py)",
     )
     b = p.add_argument_group("bounds (default: --duration 30)")
     b.add_argument("--duration", type=float, help="issue no new request after this many seconds")
@@ -243,7 +248,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "from offset 0 and compare texts (default: those that were dropped)",
     )
     i = p.add_argument_group("idle connections")
-    i.add_argument("--idle", type=int, default=0, help="hold N extra connections that only send pings")
+    i.add_argument(
+        "--idle",
+        type=int,
+        help="hold N extra connections that only send pings "
+        f"(default 0; gateway-loss: {GATEWAY_LOSS_IDLE:,})",
+    )
     i.add_argument("--idle-only", action="store_true", help="no chat traffic: only the idle connections")
     i.add_argument("--ping-interval", type=float, default=5.0, help="seconds between pings (default 5)")
     i.add_argument(
@@ -254,9 +264,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     k = p.add_argument_group("soak (--scenario soak: does the store's memory come back after retention?)")
     k.add_argument(
-        "--redis-url", help="soak: the server's Redis (give it one of its own: used_memory is global)"
+        "--redis-url",
+        help="soak, store-cost, gateway-loss: the server's Redis (give it one of its own: INFO is "
+        "server-wide)",
     )
-    k.add_argument("--key-prefix", default="tw:", help="soak: the server's --key-prefix (default tw:)")
+    k.add_argument(
+        "--key-prefix", default="tw:", help="soak, store-cost: the server's --key-prefix (default tw:)"
+    )
     k.add_argument(
         "--retention", type=float, default=60.0, help="soak: the server's --retention, seconds (default 60)"
     )
@@ -283,6 +297,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from server.load.noisy import add_scenario_arguments
 
     add_scenario_arguments(p)
+    _gateway_loss_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
@@ -305,7 +320,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         cache=args.cache,
         think=args.think,
         drop_rate=args.drop_rate,
-        idle=args.idle,
+        idle=args.idle or 0,
         idle_only=args.idle_only,
         ping_interval=args.ping_interval,
         subprotocol=args.subprotocol,
@@ -322,3 +337,73 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         json_path=args.json_path,
         plot_path=args.plot_path,
     )
+
+
+def _gateway_loss_arguments(p: argparse.ArgumentParser) -> None:
+    """``--scenario gateway-loss``'s own flags (server/load/gateway_loss.py; ``--idle``, ``--seed``,
+    ``--redis-url``, ``--connect-concurrency``, ``--request-timeout`` and ``--json`` are shared)."""
+    g = p.add_argument_group(
+        "--scenario gateway-loss (kill -9 the busiest gateway of a local cluster under load; --idle defaults "
+        f"to {GATEWAY_LOSS_IDLE:,} there)"
+    )
+    g.add_argument(
+        "--gateways", type=int, default=4, help="gateways on consecutive ports from URL's (default 4)"
+    )
+    g.add_argument(
+        "--gateway-url", action="append", metavar="URL", help="a gateway's URL instead (repeat for each)"
+    )
+    g.add_argument(
+        "--gateway-pid",
+        action="append",
+        type=int,
+        metavar="PID",
+        help="a gateway's pid, in URL order (repeat; default: the process listening on each URL's port, "
+        "found in /proc)",
+    )
+    g.add_argument("--streams", type=int, default=64, help="conversations chatting continuously (default 64)")
+    g.add_argument(
+        "--stream-max-tokens", type=int, default=128, help="max_tokens of each of their replies (default 128)"
+    )
+    g.add_argument(
+        "--idle-per-process",
+        type=int,
+        default=4000,
+        help="idle connections per child process of the load tool (default 4000)",
+    )
+    g.add_argument(
+        "--kill-after-tokens",
+        type=int,
+        default=4,
+        help="kill once --kill-share of the victim's streams hold this many tokens of a reply (default 4)",
+    )
+    g.add_argument(
+        "--kill-share",
+        type=float,
+        default=0.5,
+        help="... this share of them (default 0.5: on CPU, an engine runs 32 at once, the rest wait)",
+    )
+    g.add_argument(
+        "--kill-wait", type=float, default=60.0, help="... or after this many seconds anyway (default 60)"
+    )
+    g.add_argument(
+        "--baseline", type=float, default=3.0, help="seconds of steady load measured before the kill (3)"
+    )
+    g.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="seconds after the last reconnect for the 'after' figures (5)",
+    )
+    g.add_argument(
+        "--recover-timeout",
+        type=float,
+        default=120.0,
+        help="every client must be back within this many seconds of the kill (default 120)",
+    )
+    g.add_argument(
+        "--reconnect-initial-ms",
+        type=int,
+        default=300,
+        help="backoff: the first delay is uniform in [0, this] ms, doubling per attempt (default 300)",
+    )
+    g.add_argument("--reconnect-max-ms", type=int, default=10_000, help="backoff cap, ms (default 10000)")

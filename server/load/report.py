@@ -144,6 +144,9 @@ def build_report(res: LoadResult) -> dict[str, Any]:
             "server_kib_per_connection": None
             if st.kib_per_connection is None
             else round(st.kib_per_connection, 2),
+            "server_us_per_connection_s": None
+            if st.us_per_connection_s is None
+            else round(st.us_per_connection_s, 3),
         }
     return report
 
@@ -209,6 +212,9 @@ def print_table(report: dict[str, Any]) -> None:
         t.add_row("ping RTT ms", f"p50 {_fmt(rtt.get('p50'))}  p99 {_fmt(rtt.get('p99'))}  (n {rtt['n']})")
         if idle["server_kib_per_connection"] is not None:
             t.add_row("server memory", f"{_fmt(idle['server_kib_per_connection'])} KiB per idle connection")
+        if idle.get("server_us_per_connection_s") is not None:
+            cpu = _fmt(idle["server_us_per_connection_s"])
+            t.add_row("server CPU", f"{cpu} us per idle connection per second")
     Console().print(t)
 
 

@@ -48,11 +48,16 @@ class Cluster:
         self.gateways.append(p)
         return p.start()
 
-    def start_worker(self, model: Path, *extra: str) -> ServeProcess:
+    def worker(self, model: Path, *extra: str) -> ServeProcess:
+        """A worker process, not started yet (``start()`` it, or ``start_worker``)."""
         p = ServeProcess(
             [*self.base, "--model", str(model), "--threads", "1", *extra], self.tmp, command="worker"
         )
         self.workers.append(p)
+        return p
+
+    def start_worker(self, model: Path, *extra: str) -> ServeProcess:
+        p = self.worker(model, *extra)
         p.start()
         return p
 
@@ -193,19 +198,51 @@ async def _writers(r: Any, keys: Keys, owner_of: dict[str, str], ids: list[str])
     return out
 
 
+async def _freeze_mid_reply(
+    r: Any, c: Cluster, workers: dict[str, ServeProcess], n: int, min_tokens: int, patience_s: float = 60.0
+) -> None:
+    """SIGSTOP every worker once at least ``n`` requests are running with ``min_tokens`` or more logged
+    each (the workers' running hashes: log key -> tokens logged), so that the kill that follows surely
+    lands mid-reply. Without the freeze, a fresh-clone CI run once found every response already finished
+    when the kill came: the tiny model is fast and a busy machine reads the heads slowly."""
+    ks = c.keys
+    deadline = asyncio.get_running_loop().time() + patience_s
+    held: list[int] = []
+    while asyncio.get_running_loop().time() < deadline:
+        if any(w.proc is None for w in workers.values()):  # still being started (in a thread)
+            await asyncio.sleep(0.005)
+            continue
+        held = [
+            int(v)
+            for w in workers
+            for p in range(ks.partitions)
+            for v in (await r.hgetall(ks.worker_requests(w, p))).values()
+        ]
+        if len(held) >= n and min(held) >= min_tokens:
+            for w in workers.values():
+                assert w.proc is not None
+                w.proc.send_signal(signal.SIGSTOP)
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never {n} requests running with {min_tokens}+ tokens each: {held}")
+
+
 async def _kill_busiest(r: Any, c: Cluster, workers: dict[str, ServeProcess]) -> str:
-    """SIGKILL the worker with the most requests running now (its running sets in every partition) and
-    return its name. Always killing the first worker failed a fresh-clone run once: the shared queue hands
-    requests to whichever worker reads first (18 to 2 in one run), and the first may hold none, or have
-    finished its own while the streams were started on a busy machine."""
+    """SIGKILL the worker with the most requests running now (its running sets in every partition), let
+    the others go on (SIGCONT, after ``_freeze_mid_reply``) and return the victim's name. Always killing
+    the first worker failed a fresh-clone run once: the shared queue hands requests to whichever worker
+    reads first (18 to 2 in one run), and the first may hold none."""
     ks = c.keys
     parts = range(ks.partitions)
-    running = {w: sum([await r.scard(ks.worker_requests(w, p)) for p in parts]) for w in workers}
+    running = {w: sum([await r.hlen(ks.worker_requests(w, p)) for p in parts]) for w in workers}
     victim = max(workers, key=lambda w: running[w])
-    assert running[victim] > 0, f"every response ended before the kill (MAX_TOKENS too small?): {running}"
+    assert running[victim] > 0, f"every response ended before the kill: {running}"
     proc = workers[victim].proc
     assert proc is not None
     proc.send_signal(signal.SIGKILL)
+    for name, w in workers.items():
+        if name != victim and w.proc is not None:
+            w.proc.send_signal(signal.SIGCONT)
     return victim
 
 
@@ -232,6 +269,7 @@ async def test_kill9_worker_mid_stream(cluster: Cluster, cluster_redis: Any, pea
     }
     url = cluster.start_gateway()
     streams, tokens, tasks = await _launch([url], "kw")
+    await _freeze_mid_reply(cluster_redis, cluster, workers, n=1, min_tokens=1)
     victim = await _kill_busiest(cluster_redis, cluster, workers)
     await asyncio.wait_for(asyncio.gather(*tasks), 90)
 

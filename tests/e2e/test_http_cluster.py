@@ -17,6 +17,7 @@ from protocol import Params
 from server.client import Client, collect
 from tests.e2e.test_cluster import (  # noqa: F401 (fixtures)
     Cluster,
+    _freeze_mid_reply,
     _kill_busiest,
     _writers,
     backend,
@@ -26,7 +27,7 @@ from tests.e2e.test_cluster import (  # noqa: F401 (fixtures)
 )
 
 STREAMS = 20
-MAX_TOKENS = 160  # long enough that every response is still running when the kill lands (as test_cluster)
+MAX_TOKENS = 160
 API_KEY = "cluster-key"
 
 
@@ -92,13 +93,11 @@ async def test_background_responses_survive_kill9_and_resume_on_another_gateway(
     cluster_redis: aioredis.Redis,  # noqa: F811
     peaky_model_dir: Path,
 ) -> None:
-    workers = {
-        "w0": cluster.start_worker(peaky_model_dir, "--name", "w0"),
-        "w1": cluster.start_worker(peaky_model_dir, "--name", "w1"),
-    }
     url0, url1 = cluster.start_gateway(), cluster.start_gateway()
     g0 = AsyncOpenAI(base_url=_http(url0), api_key=API_KEY, max_retries=0)
     g1 = AsyncOpenAI(base_url=_http(url1), api_key=API_KEY, max_retries=0)
+    workers = {name: cluster.worker(peaky_model_dir, "--name", name) for name in ("w0", "w1")}
+    starting: list[asyncio.Future[str]] = []
     try:
         created = await asyncio.gather(
             *(
@@ -113,8 +112,18 @@ async def test_background_responses_survive_kill9_and_resume_on_another_gateway(
             )
         )
         ids = [r.id for r in created]
+        # The workers start only now, with every response queued (a cluster's gateway queues the default
+        # model's requests while no worker is up), so all of them start at once: a worker takes up to 64
+        # queued requests in one read. With the workers up first, a fresh-clone CI run found the first
+        # responses finished before the last was created, and the freeze below never came.
+        starting = [asyncio.ensure_future(asyncio.to_thread(w.start)) for w in workers.values()]
+        # Frozen with every response mid-way; the heads are read from the store meanwhile.
+        await _freeze_mid_reply(cluster_redis, cluster, workers, n=STREAMS, min_tokens=4)
         heads = await asyncio.wait_for(asyncio.gather(*(_head(g0, rid) for rid in ids)), 90)
         victim = await _kill_busiest(cluster_redis, cluster, workers)
+        # The survivor may still have been starting when it was frozen; it must come up now. The victim's
+        # start may end either way (killed before or after it said ready).
+        await asyncio.wait_for(asyncio.gather(*starting, return_exceptions=True), 120)
         rests = await asyncio.wait_for(
             asyncio.gather(*(_rest(g1, rid, seq) for rid, (_, seq) in zip(ids, heads, strict=True))), 120
         )
@@ -133,5 +142,10 @@ async def test_background_responses_survive_kill9_and_resume_on_another_gateway(
         # Some responses really were on the killed worker and finished elsewhere.
         assert moved and all(ws[0] == victim for ws in moved), (victim, writers)
     finally:
+        # A worker left frozen or half-started by a failure would hold its start thread forever.
+        for w, fut in zip(workers.values(), starting, strict=False):
+            if not fut.done() and w.proc is not None:
+                w.proc.kill()
+        await asyncio.gather(*starting, return_exceptions=True)
         await g0.close()
         await g1.close()

@@ -78,11 +78,22 @@ class StoreHandles:
     url: str
 
 
+# The signal that stopped this process, if one did: `tokenwire` exits 130 after a SIGINT (Ctrl-C), as
+# shells expect of a program the user interrupted, and 0 after a SIGTERM (a supervisor's normal stop).
+stopped_by: int | None = None
+
+
 def _stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: int) -> None:
+        global stopped_by
+        stopped_by = stopped_by or sig
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
 
 
 async def is_cluster(r: aioredis.Redis) -> bool:
@@ -95,7 +106,7 @@ async def is_cluster(r: aioredis.Redis) -> bool:
 @contextlib.asynccontextmanager
 async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[StoreHandles]:
     """Connect to ``cfg.redis_url``, or start the embedded Valkey when allowed and none is given."""
-    from server.store.embedded import EmbeddedValkey
+    from server.store.embedded import EmbeddedValkey, EmbeddedValkeyError
 
     valkey: EmbeddedValkey | None = None
     url = cfg.redis_url
@@ -103,7 +114,10 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
         if not embedded_ok:
             raise StartupError("--redis-url is required here (gateways and workers share one Redis)")
         valkey = EmbeddedValkey(cfg.data_dir)
-        url = await asyncio.get_running_loop().run_in_executor(None, valkey.start)
+        try:
+            url = await asyncio.get_running_loop().run_in_executor(None, valkey.start)
+        except EmbeddedValkeyError as exc:
+            raise StartupError(str(exc)) from None
     # A blocking pool: a burst of thousands of handshakes waits for a connection instead of failing with
     # "Too many connections" (redis-py's default pool raises past 100).
     # from_pool: the client owns the pool, so closing it closes the pool's connections too. The URL may

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -165,18 +165,20 @@ def _config(args: argparse.Namespace) -> ServeConfig:
 
 
 def _run(args: argparse.Namespace, main: Callable[[ServeConfig], Coroutine[Any, Any, None]]) -> int:
+    from server import app
     from server.app import StartupError
     from server.logs import configure
 
     configure(args.log_level)
     try:
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(main(_config(args)))
+        asyncio.run(main(_config(args)))
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C before the signal handlers were up (while importing or loading)
     except StartupError as exc:
         # Something the user can fix (a port in use, Redis unreachable, no model): one line, no traceback.
         print(f"tokenwire {args.command}: {exc}", file=sys.stderr, flush=True)
         return 2
-    return 0
+    return 130 if app.stopped_by == signal.SIGINT else 0
 
 
 def _serve(args: argparse.Namespace) -> int:

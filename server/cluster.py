@@ -35,7 +35,7 @@ def _relay(name: str, proc: subprocess.Popen[str], ready: threading.Event) -> No
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    from server.store.embedded import EmbeddedValkey
+    from server.store.embedded import EmbeddedValkey, EmbeddedValkeyError
     from server.store.valkey_cluster import EmbeddedValkeyCluster, ValkeyClusterError
 
     valkey: EmbeddedValkey | EmbeddedValkeyCluster | None = None
@@ -66,7 +66,11 @@ def run_cluster(args: argparse.Namespace) -> int:
         )
     elif not url:
         valkey = EmbeddedValkey(Path(args.data_dir or os.environ.get("TOKENWIRE_DATA") or ".tokenwire"))
-        url = valkey.start()
+        try:
+            url = valkey.start()
+        except EmbeddedValkeyError as exc:
+            print(f"tokenwire cluster: {exc}", file=sys.stderr)
+            return 2
     common = [
         "--key-prefix",
         args.key_prefix,
@@ -88,8 +92,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     readies: list[threading.Event] = []
     stopping = threading.Event()
     failure = ""  # said last, once every child has stopped
+    signals: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
+        signals.append(signum)
         stopping.set()
 
     signal.signal(signal.SIGINT, on_signal)
@@ -150,8 +156,10 @@ def run_cluster(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        # The store stops last (it runs in its own session, out of Ctrl-C's reach): the workers drain
+        # into it.
         if valkey is not None:
             valkey.stop()
         if failure:
             print(failure, file=sys.stderr, flush=True)
-    return 0
+    return 130 if signal.SIGINT in signals else 0

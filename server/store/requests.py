@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -196,6 +197,9 @@ class RequestStore:
         self._step = _load_script(r, "step")
         self._mismatch = _load_script(r, "mismatch")
         self._detach = _load_script(r, "detach")
+        # worker -> its held requests' token logs -> when (time.monotonic) their detach deadline can next
+        # have passed (detach_sweep)
+        self._detach_due: dict[str, dict[str, float]] = {}
         self._finish = _load_script(r, "finish", "history")
         self._cancel = _load_script(r, "cancel")
         self._touch = _load_script(r, "touch")
@@ -656,22 +660,42 @@ class RequestStore:
     async def detach_sweep(self, worker: str) -> int:
         """Cancel the running requests of ``worker`` that no client has been attached to for the detach
         timeout (detach.lua, one call per partition it holds requests in); how many. The worker calls it
-        about every second: a request cancelled here stops at its next step (step.lua answers 0)."""
+        about every second: a request cancelled here stops at its next step (step.lua answers 0).
+
+        A request is only read again once its ``attached_until`` has passed: that deadline only ever
+        moves later, so until then it cannot be due, and a client that stays attached costs one read per
+        detach timeout instead of one per second."""
         pipe = self.r.pipeline(transaction=False)
         for p in self.partitions:
             pipe.hkeys(self.keys.worker_requests(worker, p))
         calls: list[tuple[AsyncScript, list[str], list[Any]]] = []
+        now = time.monotonic()
+        old_due = self._detach_due.get(worker, {})
+        due: dict[str, float] = {}  # only the requests still held: the rest are forgotten
         for p, logs in zip(self.partitions, await execute(pipe), strict=True):
-            if not logs:
-                continue
             keys = [self.keys.worker_requests(worker, p)]
             for raw in logs:
                 log_key = _s(raw)
-                keys += [self.keys.req_of(log_key), log_key]
-            calls.append((self._detach, keys, [worker, self.settings.retention_ms]))
+                if log_key in old_due and old_due[log_key] > now:
+                    due[log_key] = old_due[log_key]
+                else:
+                    keys += [self.keys.req_of(log_key), log_key]
+            if len(keys) > 1:
+                calls.append((self._detach, keys, [worker, self.settings.retention_ms]))
+        self._detach_due[worker] = due
         if not calls:
             return 0
-        return sum(len(r) for r in await self._run_scripts(calls))
+        cancelled = 0
+        for reply in await self._run_scripts(calls):
+            redis_now = int(reply[0])
+            for i in range(1, len(reply) - 1, 2):
+                log_key, until = _s(reply[i]), int(reply[i + 1])
+                if until < 0:
+                    cancelled += 1
+                else:
+                    # Redis's clock for the deadline, ours for the wait: only the difference crosses.
+                    due[log_key] = now + max(0, until - redis_now) / 1000
+        return cancelled
 
     async def _run_scripts(self, calls: list[tuple[AsyncScript, list[str], list[Any]]]) -> list[Any]:
         """Run script calls in one non-transactional pipeline (on a cluster: one per node, sent at once)

@@ -131,6 +131,9 @@ class EmbeddedValkeyCluster:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,
+                # Out of Ctrl-C's reach (the terminal signals its whole foreground process group): the
+                # store outlives the processes that drain into it, and stop() ends it last.
+                start_new_session=True,
             )
             self.nodes.append(node)
         deadline = time.monotonic() + timeout

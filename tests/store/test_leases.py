@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -106,6 +107,36 @@ async def test_detach_timeout_cancels_running_and_queued(redis: aioredis.Redis, 
     # touch never resurrects an expired or unknown request
     assert await store.touch([keys.request("u", "gone")]) == 0
     assert not await redis.exists(keys.request("u", "gone"))
+
+
+async def test_detach_sweep_reads_an_attached_request_once_per_deadline(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    """The sweep runs every second, but a request whose client keeps touching it is read only when its
+    attached_until can have passed (issue 28: a held stream costs the store per detach timeout, not per
+    second); once the client is gone it is still cancelled on time."""
+    store = RequestStore(redis, keys, Settings(detach_timeout_ms=400))
+    await store.ensure_group()
+    await store.submit("u", "r", "fp", PAYLOAD)
+    item = await _take_start(store, "w1")
+    assert item is not None
+    scripts: list[int] = []
+    run = store._run_scripts
+
+    async def counting(calls: list[Any]) -> list[Any]:
+        scripts.append(len(calls))
+        return await run(calls)
+
+    store._run_scripts = counting  # type: ignore[method-assign]
+    assert await store.detach_sweep("w1") == 0 and scripts == [1]  # read: due in about 400 ms
+    for _ in range(3):
+        assert await store.detach_sweep("w1") == 0
+    assert scripts == [1]  # not due yet: no script call at all
+    await asyncio.sleep(0.5)
+    assert await store.detach_sweep("w1") == 1  # due, read again, nobody touched it: cancelled
+    assert scripts == [1, 1]
+    info = await store.get("u", "r")
+    assert info is not None and info.finish_reason == "cancelled"
 
 
 async def test_affinity_queue_and_its_reaping(redis: aioredis.Redis, keys: Keys) -> None:

@@ -17,12 +17,20 @@ class ServeProcess:
     """``tokenwire serve`` (or ``gateway`` / ``worker`` with ``command``) as a child process."""
 
     def __init__(
-        self, args: list[str], data_dir: Path, env: dict[str, str] | None = None, command: str = "serve"
+        self,
+        args: list[str],
+        data_dir: Path,
+        env: dict[str, str] | None = None,
+        command: str = "serve",
+        *,
+        new_session: bool = False,
     ) -> None:
+        # new_session: a process group of its own, which a test can signal whole as a terminal's Ctrl-C does
         self.args = args
         self.command = command
         self.data_dir = data_dir
         self.env = {**os.environ, **(env or {})}
+        self.new_session = new_session
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
         self.stderr_path = data_dir / f"{command}-{id(self)}.stderr"
@@ -37,7 +45,12 @@ class ServeProcess:
         cmd += self.args
         self._stderr = self.stderr_path.open("w")
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=self.env
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=self.env,
+            start_new_session=self.new_session,
         )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout

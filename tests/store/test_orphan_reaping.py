@@ -37,10 +37,11 @@ def test_orphan_reaping_touches_only_the_valkey_of_this_folder(tmp_path: Path) -
         assert redis.Redis.from_url(other.url).ping()
         # A Valkey left running on our own folder (its server was killed) is stopped before ours starts.
         orphan_pid = int(mine._pidfile.read_text())
-        mine._proc = None  # forget it, as a SIGKILLed server would
+        orphan, mine._proc = mine._proc, None  # forget it, as a SIGKILLed server would
         again = EmbeddedValkey(ours, persist=False)
         again.start()
         mine = again
+        assert orphan is not None and orphan.wait(5) is not None  # stopped by the reaping; now reaped
         assert not _alive(orphan_pid) and _alive(pid)
         assert redis.Redis.from_url(again.url).ping()
     finally:

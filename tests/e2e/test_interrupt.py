@@ -1,0 +1,136 @@
+"""Ctrl-C while a reply streams (issue 29): the terminal signals the whole process group, the embedded
+Valkey included. The store must outlive the processes that drain into it, so the stop is clean (exit 130,
+no traceback, nothing left running) and the interrupted reply resumes after a restart, nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+from protocol import Chat, Delta, Done, Message, Params, Resume
+from server.client import Client, collect
+from tests.e2e.serve_process import ServeProcess
+from tests.e2e.test_cluster_command import _alive, _free_consecutive_ports, _until_ready
+
+MESSAGES = (Message("user", "Tell me a long story about tokens"),)
+# Greedy on a model without near ties, and no cache: the reference run generates the same text.
+PARAMS = Params(max_tokens=400, temperature=0, cache=False)
+NO_STORE_URL = {k: v for k, v in os.environ.items() if k not in ("TOKENWIRE_REDIS_URL", "REDIS_URL")}
+
+
+async def _read_some(url: str) -> tuple[str, int, str]:
+    """Start the long reply and read its first tokens: (session token, offset, text seen)."""
+    c = await Client.connect(url)
+    assert c.welcome is not None
+    await c.send(Chat(id="long", messages=MESSAGES, params=PARAMS))
+    seen, offset = "", 0
+    async for f in c.frames_for("long"):
+        if isinstance(f, Delta):
+            seen, offset = seen + f.text, offset + f.n
+            if offset >= 5:
+                break
+    token = c.welcome.session_token
+    await c.close()
+    return token, offset, seen
+
+
+async def _resume_rest(url: str, token: str, offset: int, seen: str) -> None:
+    """Resume after the restart: the rest follows on exactly, and the whole is an uninterrupted run's."""
+    c = await Client.connect(url, session_token=token)
+    try:
+        await c.send(Resume(id="long", offset=offset))
+        frames = [f async for f in c.frames_for("long")]
+        end = frames[-1]
+        assert isinstance(end, Done) and end.finish_reason in ("stop", "length"), frames[-3:]
+        pos, rest = offset, ""
+        for d in (f for f in frames if isinstance(f, Delta)):
+            assert d.offset == pos  # no gap, no repeat
+            pos, rest = pos + d.n, rest + d.text
+        assert end.offset == pos
+        reference, _, _, _ = await collect(
+            c.chat(messages=[m.to_wire() for m in MESSAGES], id="ref", params=PARAMS)
+        )
+        assert seen + rest == reference
+    finally:
+        await c.close()
+
+
+def _clean(stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "terminate called" not in stderr, stderr[-3000:]
+
+
+def _valkey_pid(data: Path) -> int:
+    return int((data / "valkey" / "tokenwire-valkey.pid").read_text())
+
+
+async def test_ctrl_c_on_serve_mid_reply_exits_130_and_the_reply_resumes(
+    peaky_model_dir: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    # A short drain: the reply is handed back unfinished, the case where the store must still be there.
+    args = ["--model", str(peaky_model_dir), "--drain-timeout", "0.5"]
+    first = ServeProcess(args, data, env=NO_STORE_URL, new_session=True)
+    url = first.start()
+    try:
+        token, offset, seen = await _read_some(url)
+        valkey = _valkey_pid(data)
+        assert first.proc is not None
+        os.killpg(first.proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        assert await asyncio.to_thread(first.proc.wait, 30) == 130
+        assert not _alive(valkey)  # stopped last, by the server, not left behind
+    finally:
+        first.stop()
+    _clean(first.stderr_path.read_text())
+
+    second = ServeProcess(args, data, env=NO_STORE_URL)
+    url = second.start()
+    try:
+        await _resume_rest(url, token, offset, seen)
+    finally:
+        assert second.stop() == 0  # SIGTERM: a supervisor's stop exits 0
+
+
+async def test_ctrl_c_on_cluster_mid_reply_exits_130_and_the_reply_resumes(
+    peaky_model_dir: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "cluster-data"
+
+    async def start(log: Path) -> tuple[asyncio.subprocess.Process, str]:
+        port = _free_consecutive_ports(1)
+        with log.open("a") as err:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "server.cli", "cluster", "--gateways", "1", "--workers", "1",
+                "--port", str(port), "--data-dir", str(data), "--model", str(peaky_model_dir),
+                stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True, env=NO_STORE_URL,
+            )  # fmt: skip
+        assert proc.stdout is not None
+        await _until_ready(proc.stdout)
+        return proc, f"ws://127.0.0.1:{port}/v1/ws"
+
+    log1, log2 = tmp_path / "first.stderr", tmp_path / "second.stderr"
+    proc, url = await start(log1)
+    try:
+        token, offset, seen = await _read_some(url)
+        valkey = _valkey_pid(data)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 60) == 130
+        assert not _alive(valkey)
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    _clean(log1.read_text())
+
+    proc, url = await start(log2)
+    try:
+        await _resume_rest(url, token, offset, seen)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()

@@ -149,8 +149,10 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
                 raise StartupError(str(exc)) from None
             log.info("store.cluster", nodes=len(await r.cluster_nodes()), partitions=keys.partitions)
         store = RequestStore(r, keys, cfg.store)
-        if cluster:
-            await store.load_scripts()  # a cluster pipeline does not load them itself
+        # Every script loaded before the process says ready: a cluster pipeline does not load them itself,
+        # and elsewhere the first calls under load would each pay a NOSCRIPT round trip and a SCRIPT LOAD
+        # of every script (what the store-cost benchmark saw as ~50 KB of script text in its load phase).
+        await store.load_scripts()
         yield StoreHandles(r, reader, store, url)
     finally:
         await r.aclose()

@@ -20,12 +20,23 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 from websockets.exceptions import InvalidStatus, WebSocketException
 
-from protocol import Accepted, Cancel, Chat, Delta, Done, Error, Params, ResumePoint
+from protocol import (
+    Accepted,
+    Cancel,
+    Chat,
+    Delta,
+    Done,
+    Error,
+    Params,
+    ProtocolError,
+    ResumePoint,
+    parse_client_frame,
+)
 from server.client import Client, ServerError
 
 RECONNECT_ATTEMPTS = 6
@@ -95,8 +106,11 @@ class ChatSession:
         token: str | None = None,
         write: Callable[[str], None] = _stdout,
         notice: Callable[[str], None] = _stderr,
+        more_tokens_hint: str = "/set max_tokens N",
     ) -> None:
         self.url = url
+        self.more_tokens_hint = more_tokens_hint  # how to ask for more: -m mode has a flag, not /set
+        self.server_defaults: dict[str, object] = {}  # /config.json's sampling defaults, read once
         self.token = token
         self.write = write
         self.notice = notice
@@ -183,7 +197,9 @@ class ChatSession:
                     elif isinstance(frame, Done):
                         self.write("\n")
                         if frame.finish_reason == "length":
-                            self.notice(f"[max tokens reached ({frame.offset}); /set max_tokens N for more]")
+                            self.notice(
+                                f"[max tokens reached ({frame.offset}); {self.more_tokens_hint} for more]"
+                            )
                         elif frame.finish_reason == "cancelled":
                             self.notice("[stopped]")
                         return frame.finish_reason in ("stop", "length", "cancelled")
@@ -243,6 +259,32 @@ def _line_reader() -> Callable[[], Awaitable[str]]:
     return plain
 
 
+def config_url(ws_url: str) -> str:
+    """The server's ``/config.json`` (what the browser UI reads its defaults from) for a chat URL."""
+    parts = urlsplit(ws_url)
+    return urlunsplit(("https" if parts.scheme == "wss" else "http", parts.netloc, "/config.json", "", ""))
+
+
+async def fetch_server_defaults(ws_url: str) -> dict[str, object]:
+    """The sampling defaults the server applies to a chat that leaves a parameter out, and the default
+    model's name ({} when the server does not say: an older one, or a proxy that serves only /v1/ws)."""
+    import json
+    import urllib.request
+
+    def get() -> dict[str, object]:
+        with urllib.request.urlopen(config_url(ws_url), timeout=5) as r:
+            body = json.loads(r.read(65536))
+        out = dict(body.get("defaults") or {})
+        if body.get("model"):
+            out["model"] = body["model"]
+        return out
+
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, get)
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def _settings_text(session: ChatSession, params: Params) -> str:
     welcome = session.client.welcome if session.client else None
     lines = [
@@ -251,7 +293,10 @@ def _settings_text(session: ChatSession, params: Params) -> str:
     ]
     for name in SETTABLE:
         value = getattr(params, name)
-        lines.append(f"{name:<18} {value if value is not None else 'server default'}")
+        if value is None:
+            known = session.server_defaults.get(name)
+            value = f"{known} (server default)" if known is not None else "server default"
+        lines.append(f"{name:<18} {value}")
     return "\n".join(lines)
 
 
@@ -265,7 +310,36 @@ def _apply_set(params: Params, args: list[str]) -> tuple[Params, str]:
         value = SETTABLE[name](args[1])
     except ValueError:
         return params, f"{name}: expected {'an integer' if SETTABLE[name] is int else 'a number'}"
+    try:
+        # The server's own check (SPEC §4.2's ranges), now rather than as an error on the next send.
+        parse_client_frame({"type": "chat", "id": "x", "content": "x", "params": {name: value}})
+    except ProtocolError as exc:
+        return params, str(exc.message) + " (unchanged)"
     return dataclasses.replace(params, **{name: value}), f"{name} = {value}"
+
+
+@contextlib.contextmanager
+def _no_echo() -> Iterator[None]:
+    """While a reply streams, what the user types is not echoed into the middle of it: the terminal's
+    echo is off (Ctrl-C still works), and the typed text waits in the input buffer for the next prompt."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    import termios
+
+    fd = sys.stdin.fileno()
+    try:
+        old = termios.tcgetattr(fd)
+    except termios.error:
+        yield
+        return
+    quiet = list(old)
+    quiet[3] &= ~termios.ECHO  # lflag
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, old)
 
 
 async def _interactive(session: ChatSession, params: Params) -> int:
@@ -311,7 +385,8 @@ async def _interactive(session: ChatSession, params: Params) -> int:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGINT, on_sigint)
         try:
-            await task
+            with _no_echo():
+                await task
         except asyncio.CancelledError:
             session.notice("\n[stopped without the server's answer]")
             await session.close_quietly()  # the stream detaches; the server cancels it after its timeout
@@ -329,7 +404,9 @@ async def run_chat(
     max_tokens: int | None = None,
     model: str | None = None,
 ) -> int:
-    session = ChatSession(url, token=token)
+    session = ChatSession(
+        url, token=token, more_tokens_hint="--max-tokens N" if once is not None else "/set max_tokens N"
+    )
     try:
         client = await session.connect()
     except ServerError as exc:
@@ -354,6 +431,7 @@ async def run_chat(
     try:
         if once is not None:
             return 0 if await session.ask(once, params) else 1
+        session.server_defaults = await fetch_server_defaults(url)
         print(
             f"connected to {url} (session {client.welcome.session if client.welcome else '?'}); "
             "/help for commands, Ctrl-D or /exit to quit",

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
 from protocol import Params
-from server.chat_cli import ChatSession
+from server.chat_cli import (
+    ChatSession,
+    _apply_set,
+    _settings_text,
+    config_url,
+    fetch_server_defaults,
+    run_chat,
+)
+from server.defaults import sampling_defaults
 from server.store.keys import Keys
 from tests.gateway.conftest import running_server
 from tests.gateway.proxy import DropProxy
@@ -69,3 +78,42 @@ async def test_chat_reports_a_server_error_and_goes_on(
         finally:
             await session.close()
         assert "".join(out).strip()
+
+
+async def test_chat_settings_show_the_server_defaults_and_set_checks_ranges_at_once(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """/settings shows the values the server applies (its /config.json), not "server default"; /set
+    refuses a value out of SPEC's range when it is typed, not with the next send (issue 29)."""
+    async with running_server(redis, redis_url, keys) as server:
+        session = ChatSession(server.url, write=lambda _: None, notice=lambda _: None)
+        try:
+            await session.connect()
+            session.server_defaults = await fetch_server_defaults(server.url)
+            defaults = sampling_defaults()
+            assert {k: session.server_defaults[k] for k in defaults} == defaults
+            text = _settings_text(session, Params(max_tokens=7))
+            assert "max_tokens         7\n" in text
+            assert f"temperature        {defaults['temperature']} (server default)" in text
+        finally:
+            await session.close()
+    params = Params()
+    params, said = _apply_set(params, ["temperature", "9"])
+    assert params.temperature is None and "temperature" in said and "(unchanged)" in said
+    params, said = _apply_set(params, ["top_p", "0"])
+    assert params.top_p is None and "(unchanged)" in said
+    params, said = _apply_set(params, ["temperature", "0.7"])
+    assert params.temperature == 0.7 and said == "temperature = 0.7"
+    # A server that does not answer /config.json: the settings say "server default" as before.
+    assert await fetch_server_defaults("ws://127.0.0.1:9/v1/ws") == {}
+    assert config_url("wss://chat.example.com/v1/ws") == "https://chat.example.com/config.json"
+
+
+async def test_chat_once_says_the_flag_for_more_tokens(
+    redis: aioredis.Redis, redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In -m mode there is no /set: the max-tokens notice names the flag."""
+    async with running_server(redis, redis_url, keys) as server:
+        assert await run_chat(server.url, once="hello", max_tokens=2) == 0
+    err = capsys.readouterr().err
+    assert "max tokens reached (2); --max-tokens N for more" in err and "/set" not in err

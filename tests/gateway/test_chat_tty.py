@@ -185,14 +185,21 @@ async def test_chat_in_a_terminal(redis: aioredis.Redis, redis_url: str, keys: K
             term.send("/settings\r")
             await term.expect(r"session +\S+")
             await term.expect(r"temperature +0\.5")
-            await term.expect(r"max_tokens +server default")
+            await term.expect(r"max_tokens +\d+ \(server default\)")  # the server's value (/config.json)
+            term.send("/set temperature 9\r")  # out of range: refused now, not at the next send
+            await term.expect(r"temperature.*\(unchanged\)")
+            await term.expect(PROMPT)
 
             # A reply streams; Ctrl-C stops it (the server cancels it) and the prompt returns.
             term.send("tell me a story\r")
             await term.expect(r" w3 w4")
+            term.send("zzq")  # typed during the reply: not echoed into the middle of it
+            await term.expect(r" w\d+ w\d+ w\d+")
             term.send("\x03")
-            await term.expect(r"\[stopped\]")
+            stopped = await term.expect(r"\[stopped\]")
+            assert "zzq" not in term.text[: stopped.start()]
             await term.expect(PROMPT)
+            term.send("\x7f\x7f\x7f")  # the typed-ahead text waits at the prompt: erase it
             await _until(lambda: len(set(engine.dropped)) == 1, "the server never cancelled the reply")
             assert engine.asked == ["tell me a story"]
             assert term.proc.poll() is None, "Ctrl-C during a reply must not end the session"

@@ -17,6 +17,10 @@ from pathlib import Path
 STOP_GRACE_S = 20.0
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
 def _spawn(name: str, args: list[str], redis_url: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "server.cli", *args]
     # The store's URL (it may hold a password) goes in the environment, not the command line other
@@ -136,7 +140,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         if all(ev.is_set() for ev in readies):
             urls = ", ".join(f"ws://{args.host}:{args.port + i}/v1/ws" for i in range(args.gateways))
             print(
-                f"tokenwire cluster ready: {args.gateways} gateways ({urls}), {args.workers} workers",
+                f"tokenwire cluster ready: {_count(args.gateways, 'gateway')} ({urls}), "
+                f"{_count(args.workers, 'worker')}",
                 flush=True,
             )
         while not stopping.is_set():

@@ -121,6 +121,11 @@ class LoadConfig:
             raise ValueError(f"--verify must be one of {', '.join(VERIFY_MODES)}")
         if self.scenario not in SCENARIOS:
             raise ValueError(f"--scenario must be one of {', '.join(SCENARIOS)}")
+        if self.server_pid is not None and self.idle < 1 and self.scenario not in ("flood", "store-cost"):
+            raise ValueError(
+                "--server-pid is read with --idle N (memory and CPU per idle connection), --scenario flood "
+                "(memory growth) and --scenario store-cost (CPU per token); here it would measure nothing"
+            )
         if self.api != "tokenwire" and (self.idle or self.drop_rate or self.subprotocol != "msgpack"):
             raise ValueError(f"--api {self.api} has no --idle, --drop-rate or --subprotocol (OpenAI streams)")
 

@@ -79,6 +79,7 @@ async def test_flood_scenario_answers_every_hostile_frame(
         max_tokens=Dist("uniform", 8, 16),
         prompt_words=Dist("uniform", 4, 12),
         server_pid=served.proc.pid if served.proc is not None else None,
+        scenario="flood",
     )
     rep = await flood.run_flood(cfg, clients=1, duration_s=4.0)
     f = rep["flood"]

@@ -137,6 +137,14 @@ async def test_load_idle_only_holds_and_pings(served: ServeProcess) -> None:
     assert idle["pongs"] == idle["pings"]
 
 
+def test_server_pid_where_nothing_reads_it_is_refused() -> None:
+    """--server-pid on a plain load would measure nothing: said, not silently ignored (issue 29)."""
+    with pytest.raises(ValueError, match="--server-pid"):
+        LoadConfig(url="ws://127.0.0.1:1/v1/ws", server_pid=1)
+    LoadConfig(url="ws://127.0.0.1:1/v1/ws", server_pid=1, idle=5)  # read: memory per idle connection
+    LoadConfig(url="ws://127.0.0.1:1/v1/ws", server_pid=1, scenario="store-cost")
+
+
 def test_requests_are_seeded_unique_and_skip_the_response_cache() -> None:
     from server.load.conversation import Conversation
     from server.load.runner import RunState

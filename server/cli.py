@@ -109,6 +109,20 @@ def _models(args: argparse.Namespace) -> tuple[tuple[str, str | None], ...]:
     return tuple(specs)
 
 
+def fallback_warning(args: argparse.Namespace) -> str | None:
+    """A --fallback without a trigger never moves a chat (README, Degradation): said at start."""
+    if not getattr(args, "fallback", None):
+        return None
+    if getattr(args, "degrade_queue_depth", 0) or getattr(args, "degrade_ttft", 0.0):
+        return None
+    if getattr(args, "max_queued", 0):
+        return None  # a full queue moves chats to the lighter model too
+    return (
+        f"tokenwire {args.command}: warning: --fallback moves a chat only past a trigger, and none is set: "
+        "add --degrade-queue-depth N (chats waiting for the model), --degrade-ttft S or --max-queued N"
+    )
+
+
 def _config(args: argparse.Namespace) -> ServeConfig:
     from server.app import ServeConfig
     from server.gateway.server import GatewaySettings
@@ -170,6 +184,9 @@ def _run(args: argparse.Namespace, main: Callable[[ServeConfig], Coroutine[Any, 
     from server.logs import configure
 
     configure(args.log_level)
+    warning = fallback_warning(args)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     try:
         asyncio.run(main(_config(args)))
     except KeyboardInterrupt:

@@ -280,3 +280,25 @@ def test_help_shows_defaults_and_worker_help_has_no_gateway_flags(capsys: pytest
     ):
         assert gateway_only not in worker, gateway_only
     assert "--kv-budget-mb" in worker and "--metrics-port" in worker
+
+
+def test_fallback_without_a_trigger_is_said_at_start() -> None:
+    """--fallback alone never moves a chat (issue 29): the server says so; with a trigger it is quiet."""
+    import argparse
+
+    from server.cli import fallback_warning
+
+    def args(**kw: object) -> argparse.Namespace:
+        base: dict[str, object] = {"command": "serve", "fallback": [("smol", "tiny")]}
+        return argparse.Namespace(
+            **{**base, "degrade_queue_depth": 0, "degrade_ttft": 0.0, "max_queued": 0, **kw}
+        )
+
+    said = fallback_warning(args())
+    assert (
+        said is not None and "--degrade-queue-depth" in said and said.startswith("tokenwire serve: warning")
+    )
+    assert fallback_warning(args(degrade_queue_depth=8)) is None  # the README's example
+    assert fallback_warning(args(degrade_ttft=2.0)) is None
+    assert fallback_warning(args(max_queued=100)) is None
+    assert fallback_warning(args(fallback=None)) is None

@@ -111,7 +111,19 @@ def _soak(work: Path, requests: int) -> dict[str, Any]:
         valkey.stop()
 
 
-SECTIONS = ("engine", "e2e", "hostile", "flood", "idle", "store", "cluster", "soak", "noisy", "gateway-loss")
+SECTIONS = (
+    "start",
+    "engine",
+    "e2e",
+    "hostile",
+    "flood",
+    "idle",
+    "store",
+    "cluster",
+    "soak",
+    "noisy",
+    "gateway-loss",
+)
 
 
 def _serve(work: Path) -> _Server:
@@ -311,7 +323,14 @@ def _gateway_loss_run(work: Path, quick: bool) -> dict[str, Any]:
     }
 
 
+def _start_run(work: Path, quick: bool) -> dict[str, Any]:
+    from server.load.first_hour import run_first_hour
+
+    return {"start": run_first_hour(work)}
+
+
 RUNNERS = {
+    "start": _start_run,
     "engine": _engine,
     "e2e": _e2e,
     "hostile": _hostile_run,
@@ -596,6 +615,8 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         "| --- | --- | --- |",
         *(f"| {name} | {when} | {load} |" for name, (when, load) in measured.items()),
     ]
+    if "start" in r:
+        lines += _render_start(r["start"])
     if "engine" in r:
         lines += _render_engine(r)
     if "load32" in r:
@@ -780,6 +801,24 @@ def _render_e2e(r: dict[str, Any]) -> list[str]:
             "behind); tokens count from each response's `usage`.",
         ]
     return lines
+
+
+def _render_start(st: dict[str, Any]) -> list[str]:
+    later = st["later_starts_s"]
+    return [
+        "",
+        "## Starting `tokenwire serve` (default model, embedded Valkey; `server/load/first_hour.py`)",
+        "",
+        "| | value |",
+        "| --- | ---: |",
+        "| first start (fresh data folder and model cache), to `tokenwire ready` | "
+        f"{_f(st['first_start_s'], 1)} s |",
+        f"| later starts | {', '.join(_f(x, 1) + ' s' for x in later)} |",
+        f"| resident memory once ready, idle | {', '.join(_f(x, 0) + ' MiB' for x in st['idle_rss_mib'])} |",
+        f"| restart after `kill -9`, to ready | {_f(st['restart_ready_s'], 1)} s |",
+        f"| restart after `kill -9`, to the interrupted reply's next token | "
+        f"{_f(st['first_token_after_restart_s'], 1)} s |",
+    ]
 
 
 def _render_idle(idle: dict[str, Any]) -> list[str]:

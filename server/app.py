@@ -51,6 +51,7 @@ class ServeConfig:
     kv_budget_mb: int | None = None  # the engine's KV cache memory (None: its default for the device)
     session_secret: str | None = None
     max_running: int = 64
+    log_flush_ms: float = 0.0  # the worker writes token logs at most this often (0: every step)
     drain_timeout_s: float = 10.0
     name: str | None = None  # worker/gateway id (default host-pid)
     metrics_port: int | None = None  # a worker's /metrics, /healthz, /readyz (gateways: their own port)
@@ -296,6 +297,7 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles, index: int = 0) -> Any
         engine,
         name=base if index == 0 else f"{base}:{name}",  # one lease per model
         max_running=cfg.max_running,
+        log_flush_ms=cfg.log_flush_ms,
         model_name=name,
         route="" if index == 0 else name,
     )

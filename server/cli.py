@@ -65,6 +65,16 @@ def _at_least_one(value: str) -> int:
     return n
 
 
+def _flush_ms(value: str) -> float:
+    try:
+        ms = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {value!r}") from None
+    if not 0 <= ms <= 1000:
+        raise argparse.ArgumentTypeError(f"expected 0 to 1000 ms, got {value}")
+    return ms
+
+
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -172,6 +182,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         scheduling=getattr(args, "scheduling", "fair"),
         kv_budget_mb=getattr(args, "kv_budget_mb", None),
         drain_timeout_s=getattr(args, "drain_timeout", 10.0),
+        log_flush_ms=getattr(args, "log_flush_ms", 0.0),
         session_secret=os.environ.get("TOKENWIRE_SESSION_SECRET") or None,
         name=getattr(args, "name", None),
         metrics_port=getattr(args, "metrics_port", None),
@@ -458,6 +469,15 @@ def main(argv: list[str] | None = None) -> int:
             default=10.0,
             help="on SIGTERM, let running requests finish this long before handing them back (seconds)",
         )
+        p.add_argument(
+            "--log-flush-ms",
+            type=_flush_ms,
+            default=0.0,
+            metavar="MS",
+            help="write the token logs to Redis at most this often: several steps' tokens of a reply in one "
+            "entry, fewer Redis commands and bytes per token, each token later by up to MS "
+            "(default 0: after every engine step)",
+        )
 
     s = sub.add_parser(
         "serve", help="gateway + worker in one process (embedded Valkey by default)", formatter_class=_Help
@@ -514,6 +534,13 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the packaged SmolLM2-135M)",
     )
     k.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
+    k.add_argument(
+        "--log-flush-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="each worker's --log-flush-ms (default 0)",
+    )
     k.add_argument(
         "--pin-workers",
         action="store_true",

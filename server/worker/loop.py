@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import time
@@ -73,6 +74,28 @@ class _Timing:
 PROMPT_THREADS = 2
 
 
+def merge_steps(outs: list[StepOutput]) -> list[StepOutput]:
+    """Several engine steps' outputs, one per request: its tokens of those steps as one delta (one log
+    entry, one XADD), in the order the requests first appear. Offsets stay exact: a request's outputs
+    come in step order and each starts where the previous one ended. Its end, if any, is the last."""
+    merged: dict[str, StepOutput] = {}
+    for o in outs:
+        prev = merged.get(o.key)
+        if prev is None or prev.finish is not None or prev.offset + prev.n != o.offset:
+            # (an output after an end, or not contiguous, is never produced; kept apart, the store's
+            # offset check refuses it as it would unmerged)
+            merged[o.key if prev is None else f"{o.key}\0{id(o)}"] = o
+            continue
+        merged[o.key] = dataclasses.replace(
+            o,
+            offset=prev.offset,
+            n=prev.n + o.n,
+            text=prev.text + o.text,
+            token_ids=(*prev.token_ids, *o.token_ids),
+        )
+    return list(merged.values())
+
+
 class Worker:
     def __init__(
         self,
@@ -84,8 +107,14 @@ class Worker:
         max_buffered_steps: int = 2048,
         model_name: str | None = None,
         route: str = "",
+        log_flush_ms: float = 0.0,
     ) -> None:
         self.store = store
+        # Write the token logs at most this often (0: after every engine step). A longer interval puts
+        # several steps' tokens of a request in one log entry: fewer Redis commands and bytes per token
+        # (the store's cost, issue 28), each token later by up to this long. Worth it where steps are
+        # much shorter than the interval (an accelerator); on a CPU a step takes longer than most.
+        self.log_flush_s = max(0.0, log_flush_ms) / 1000
         self.engine = engine
         # The one model this worker's engine holds, and its queue (Keys.model_queue: "" for the
         # deployment's default model). A process serving several models runs one Worker per model.
@@ -445,13 +474,18 @@ class Worker:
         self._hand_back = True
 
     async def _write_loop(self) -> None:
+        last_write = 0.0
         while True:
             outs = await self._steps.get()
+            wait = last_write + self.log_flush_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)  # --log-flush-ms: gather the steps until the next write
             # If Redis fell behind, several engine steps may be waiting: write them in one round trip.
             while not self._steps.empty():
                 outs.extend(self._steps.get_nowait())
+            last_write = time.monotonic()
             ops: list[StepOp] = []
-            for o in outs:
+            for o in merge_steps(outs):
                 item = self._items.get(o.key)
                 if item is None:
                     # Dropped here (cancelled, shed): whatever the engine still runs of it runs for

@@ -82,6 +82,8 @@ class Gateway:
         self._health_task: asyncio.Task[None] | None = None
         self.store_reachable = True  # the store answered its last ping (/readyz fails while it does not)
         self.model_name: str | None = None  # shown by the UI when this process knows it (serve)
+        # A live worker (or this process) serves the default model: /readyz's body says when none does.
+        self.default_model_live = False
 
     async def _health_loop(self, period_s: float = 1.0) -> None:
         """Ping the store every ``period_s``: a gateway that cannot reach it must leave the load balancer
@@ -96,6 +98,9 @@ class Gateway:
                 reachable = False
                 if self.store_reachable:
                     log.warning("gateway.store_unreachable", error=str(exc) or type(exc).__name__)
+            if reachable:
+                with contextlib.suppress(Exception):  # listing the models never fails the probe
+                    self.default_model_live = (await self.models.served()).default is not None
             if reachable and not self.store_reachable:
                 log.info("gateway.store_reachable")
             self.store_reachable = reachable
@@ -128,6 +133,13 @@ class Gateway:
         if not self.store_reachable:
             return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "store unreachable\n")
         if self.ready():
+            # A cluster gateway is ready once it reaches the store, with or without workers: it accepts
+            # connections, resumes replies from the logs, and queues new chats until a worker takes them.
+            # Taking it out of the load balancer while workers load would refuse exactly the clients
+            # reconnecting to read what is already logged. The body says what it waits for.
+            if not self.default_model_live:
+                body = "ready; no live worker serves the default model yet: chats queue until one does\n"
+                return conn.respond(HTTPStatus.OK, body)
             return conn.respond(HTTPStatus.OK, "ready\n")
         return conn.respond(HTTPStatus.SERVICE_UNAVAILABLE, "model loading\n")
 

@@ -136,3 +136,35 @@ async def test_probe_port_answers_404_for_other_paths_and_405_for_other_methods(
         ("PUT", "/readyz", 405),
     ]:
         assert await loop.run_in_executor(None, request, method, path) == status, (method, path)
+
+
+async def test_a_cluster_gateway_is_ready_without_workers_and_says_so(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """A gateway of a cluster answers /readyz 200 as soon as it reaches the store (it accepts, resumes
+    and queues), and its body says when no live worker serves the default model yet (issue 29)."""
+    from redis.asyncio.cluster import RedisCluster
+
+    from server.gateway.server import Gateway, GatewaySettings
+    from server.store.sessions import SessionStore
+    from tests.gateway.conftest import client
+
+    store = RequestStore(redis, keys, Settings())
+    reader = client(redis_url, isinstance(redis, RedisCluster))
+    gw = Gateway(store, SessionStore(redis, keys, b"s", 60_000), reader, GatewaySettings(port=0), name="g")
+    port = await gw.start()
+    worker: Worker | None = None
+    try:
+        status, body = await _get(port, "/readyz")
+        assert status == 200 and "no live worker serves the default model" in body
+        worker = Worker(store, FakeEngine(), name=f"w-{keys.prefix}", model_name="tiny")
+        await worker.start()
+        deadline = time.monotonic() + 15
+        while (await _get(port, "/readyz")) != (200, "ready\n"):
+            assert time.monotonic() < deadline, "the gateway never saw the worker's model"
+            await asyncio.sleep(0.2)
+    finally:
+        if worker is not None:
+            await worker.stop()
+        await gw.stop()
+        await reader.aclose()

@@ -29,13 +29,12 @@ class _Serve:
         env = {k: v for k, v in os.environ.items() if k != "TOKENWIRE_REDIS_URL"}
         env["TOKENWIRE_CACHE"] = str(cache)  # the converted model: empty before the first start
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0", "--data-dir", str(data)]
-        self.proc = subprocess.Popen(
-            [*cmd, "--log-level", "warning"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
+        self.stderr = data.parent / f"{data.name}-serve.stderr"
+        data.parent.mkdir(parents=True, exist_ok=True)
+        with self.stderr.open("a") as err:
+            self.proc = subprocess.Popen(
+                [*cmd, "--log-level", "warning"], stdout=subprocess.PIPE, stderr=err, text=True, env=env
+            )
         self.url = ""
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -44,7 +43,8 @@ class _Serve:
             if line.startswith("tokenwire ready"):
                 self.ready_s = time.monotonic() - self.t0
                 return
-        raise RuntimeError("tokenwire serve exited before it was ready")
+        tail = self.stderr.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"tokenwire serve exited before it was ready: {tail}")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:

@@ -41,7 +41,9 @@ class EmbeddedValkeyError(RuntimeError):
 
 class EmbeddedValkey:
     def __init__(self, data_dir: Path, *, persist: bool = True) -> None:
-        self.data_dir = data_dir / "valkey"
+        # Absolute: Valkey runs in this folder and reads its config by the path given (the default data
+        # folder, .tokenwire, is relative).
+        self.data_dir = (data_dir / "valkey").absolute()
         self.persist = persist
         self._proc: subprocess.Popen[bytes] | None = None
         self._temp_socket_dir: Path | None = None

@@ -45,6 +45,22 @@ def test_embedded_valkey_listens_only_on_a_private_unix_socket(tmp_path: Path, d
         assert not sock.parent.exists()  # the private temporary folder is removed
 
 
+def test_embedded_valkey_in_a_relative_data_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make run`'s default data folder is relative (.tokenwire): Valkey, which runs in that folder,
+    still finds its config and answers."""
+    monkeypatch.chdir(tmp_path)
+    valkey = EmbeddedValkey(Path(".tokenwire"))
+    url = valkey.start()
+    try:
+        r = sync_redis.Redis.from_url(url)
+        try:
+            assert r.ping()
+        finally:
+            r.close()
+    finally:
+        valkey.stop()
+
+
 async def test_serve_store_uses_the_embedded_socket(tmp_path: Path) -> None:
     async with open_store(ServeConfig(data_dir=tmp_path), embedded_ok=True) as h:
         assert h.url.startswith("unix://")

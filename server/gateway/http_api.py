@@ -29,6 +29,11 @@ from server.gateway.openai_responses import Responses
 PlainAnswer = Callable[[Request], Response | None]
 
 
+# The codes SPEC §15.6 gives the answers the connection itself makes (before any handler runs): the
+# connection caps' 429 and 503, and a server fault. 408 and 413 have none.
+_CONNECTION_CODES = {429: "rate_limited", 503: "overloaded", 500: "internal"}
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     method: str
@@ -68,7 +73,7 @@ class HttpApi:
         st = self.core.settings
         return HttpConnection(
             self.handle,
-            lambda status, message: ApiError(status, message).response(),
+            lambda status, message: ApiError(status, message, code=_CONNECTION_CODES.get(status)).response(),
             max_body=MAX_BODY_BYTES,
             idle_timeout_s=st.http_idle_timeout_s,
             request_timeout_s=st.http_request_timeout_s,

@@ -170,6 +170,13 @@ class ResponsesSocket:
     def _start(self, lane: Lane, rid: str, grant: Grant, after: int | None) -> None:
         task = asyncio.create_task(self._stream(lane, rid, grant, after), name=f"responses-ws-{rid}")
         self.lanes[lane] = task
+        # A finished lane leaves the dict: its stream_id is the client's choice, so a long-lived socket
+        # creating response after response on new lanes would otherwise grow it without bound.
+        task.add_done_callback(lambda t: self._lane_done(lane, t))
+
+    def _lane_done(self, lane: Lane, task: asyncio.Task[None]) -> None:
+        if self.lanes.get(lane) is task:  # not already replaced by a newer response on the same lane
+            del self.lanes[lane]
 
     async def _stream(self, lane: Lane, rid: str, grant: Grant, after: int | None) -> None:
         """Send response ``rid``'s events after sequence number ``after`` (None: all) on ``lane``."""

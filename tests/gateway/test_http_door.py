@@ -112,14 +112,17 @@ async def test_connections_past_the_peer_cap_get_429_and_past_the_gateway_cap_50
         w3.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
         answer = await asyncio.wait_for(r3.read(), 5.0)
         assert answer.startswith(b"HTTP/1.1 429") and b"Retry-After" in answer
-        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["message"] and error["code"] == "rate_limited"  # SPEC §15.6
         w3.close()
         api = server.gateway.http
         api.caps.max_per_peer = 10
         api.caps.max_total = 2  # as if other peers held the rest
         r4, w4 = await _open(server.port)
         w4.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert (await asyncio.wait_for(r4.read(), 5.0)).startswith(b"HTTP/1.1 503")
+        answer = await asyncio.wait_for(r4.read(), 5.0)
+        assert answer.startswith(b"HTTP/1.1 503")
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "overloaded"
         w4.close()
         for _, w in held:
             w.close()

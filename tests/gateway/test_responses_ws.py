@@ -135,6 +135,12 @@ async def test_a_second_create_while_one_streams_is_refused_and_lanes_multiplex(
         await conn.response.create(model="default", input="left", stream_id="a", max_output_tokens=6)
         await conn.response.create(model="default", input="right", stream_id="b", max_output_tokens=6)
         both = await until_end(conn, lanes=2)
+        # Ended lanes leave the socket's table (client-chosen stream_ids must not pile up).
+        [sock] = server.gateway.response_sockets
+        deadline = time.monotonic() + 10
+        while sock.lanes:
+            assert time.monotonic() < deadline, f"lanes never freed: {list(sock.lanes)}"
+            await asyncio.sleep(0.02)
     finals = {e.stream_id: e.response for e in both if e.type in END}
     assert set(finals) == {"a", "b"}
     for lane, final in finals.items():

@@ -12,7 +12,12 @@ import { Emitter } from "./emitter.js";
 import * as F from "./frames.js";
 import { defaultStorage } from "./storage.js";
 
-export const STATES = Object.freeze(["idle", "connecting", "open", "reconnecting", "closed"]);
+export const STATES = Object.freeze(["idle", "connecting", "open", "reconnecting", "paused", "offline", "closed"]);
+// Replies kept in `persist` storage for a relaunch: at most this many, each at most this much text (a
+// longer one keeps its offset and epoch only, and is replayed whole on restore).
+export const MAX_PERSISTED = 32;
+export const MAX_PERSISTED_TEXT = 64 * 1024;
+const PERSIST_EVERY_MS = 250;
 
 const FATAL_CLOSE_CODES = new Set([1002, 1008]);
 const MAX_RESETS = 5;
@@ -189,6 +194,12 @@ export class TokenwireClient extends Emitter {
   #pings = new Map(); // ts -> resolve
   #pingSeq = 0;
   #offNetwork = null;
+  #paused = false; // pause(): the app is in the background; no reconnects until resume()
+  #pauseTimer = null;
+  #offline = false; // setOnline(false): no network; waiting, not retrying
+  #persist = null; // options.persist: replies in flight, kept for a relaunch
+  #persistKey;
+  #persistTimer = null;
 
   /**
    * @param url ws:// or wss:// URL of /v1/ws (a path like "/v1/ws" is resolved against the page in browsers)
@@ -208,6 +219,8 @@ export class TokenwireClient extends Emitter {
     this.#subprotocols = subprotocolsFrom(options.subprotocols, !!this.#msgpack);
     this.#storage = options.storage === undefined ? defaultStorage() : options.storage;
     this.#storageKey = options.storageKey ?? `tokenwire:session_token:${typeof url === "function" ? "default" : this.#url}`;
+    this.#persist = options.persist ?? null;
+    this.#persistKey = `${this.#storageKey}:inflight`;
     this.welcome = null;
     this.rttMs = null;
     if (options.autoConnect !== false) queueMicrotask(() => this.#state === "idle" && this.connect().catch(() => {}));
@@ -275,6 +288,7 @@ export class TokenwireClient extends Emitter {
    * (0: the whole log), then streams live. Pass the `epoch` and `text` you hold for offset > 0.
    */
   resume(id, { offset = 0, epoch = null, text = "", signal } = {}) {
+    if (id === undefined) return this.#foreground(); // the app lifecycle's resume(): see #foreground
     if (this.#state === "closed") throw new TokenwireError("closed", "the client is closed; call connect()");
     if (this.#requests.has(id)) return this.#requests.get(id).stream;
     F.checkId(id);
@@ -290,8 +304,9 @@ export class TokenwireClient extends Emitter {
     const req = this.#requests.get(id);
     if (req) {
       req.cancelRequested = true;
-      if (!req.everSent) {
-        // The server never saw it: nothing to stop there.
+      if (!req.everSent && !req.accepted) {
+        // The server never saw it: nothing to stop there. (A request attached by resume() or restore()
+        // is the server's even before this client sent anything: its cancel goes out with the resume.)
         this.#end(req, { finish_reason: "cancelled", offset: 0, usage: { prompt_tokens: 0, completion_tokens: 0 } });
         return;
       }
@@ -315,6 +330,9 @@ export class TokenwireClient extends Emitter {
     if (this.#state === "closed") return;
     clearTimeout(this.#retryTimer);
     this.#retryTimer = null;
+    clearTimeout(this.#pauseTimer);
+    this.#pauseTimer = null;
+    this.#flushPersisted();
     const conn = this.#conn;
     this.#conn = null;
     if (conn) this.#abandon(conn, 1000, "client closed");
@@ -336,6 +354,93 @@ export class TokenwireClient extends Emitter {
     const conn = this.#conn;
     if (conn) this.#lost(conn, { code: 4000, reason, abandon: true });
     else if (this.#state === "reconnecting") this.#retryNow();
+  }
+
+  /**
+   * The app went to the background. After `graceMs` (default 5000) the socket is closed cleanly and no
+   * reconnect is tried until resume(). This is never a cancel: the server runs every request on, and
+   * resume() continues each from its last offset. Persisted replies are saved now.
+   */
+  pause({ graceMs = 5000 } = {}) {
+    if (this.#state === "closed" || this.#paused) return;
+    this.#paused = true;
+    this.#flushPersisted();
+    clearTimeout(this.#pauseTimer);
+    this.#pauseTimer = setTimeout(() => {
+      this.#pauseTimer = null;
+      if (!this.#paused) return;
+      clearTimeout(this.#retryTimer);
+      this.#retryTimer = null;
+      const conn = this.#conn;
+      this.#conn = null;
+      if (conn) {
+        // A clean close (1000), not an abort: the server sees the client go, and detaches its streams,
+        // which run on (a disconnect never cancels).
+        this.#abandon(conn, 1000, "paused", { clean: true });
+      }
+      for (const req of this.#requests.values()) {
+        req.phase = "queued";
+        req.conn = null;
+      }
+      this.#setState("paused");
+    }, graceMs);
+  }
+
+  /**
+   * resume() without an id: foreground again, or the network came back. Reconnect now (no backoff) and
+   * resume every reply in flight from its last offset; a socket that is still open is probed instead.
+   */
+  #foreground() {
+    if (this.#state === "closed") return;
+    const wasPaused = this.#paused;
+    this.#paused = false;
+    this.#offline = false;
+    clearTimeout(this.#pauseTimer);
+    this.#pauseTimer = null;
+    if (this.#conn?.welcomed) {
+      this.#probe(this.#conn);
+      return;
+    }
+    if (this.#conn) return; // an attempt is under way
+    if (this.#state === "idle" && !wasPaused) return; // never connected: connect() decides
+    this.#attempt = 0;
+    this.#open();
+  }
+
+  /**
+   * Tell the client whether the device has a network (NetInfo, the browser's online/offline). Offline,
+   * a lost socket waits instead of spinning the backoff; online again, it reconnects at once.
+   */
+  setOnline(online) {
+    if (online) {
+      if (!this.#offline) return;
+      this.#offline = false;
+      if (!this.#paused) this.#foreground();
+      return;
+    }
+    this.#offline = true;
+    if (!this.#conn && this.#retryTimer) {
+      clearTimeout(this.#retryTimer);
+      this.#retryTimer = null;
+      this.#setState("offline");
+    }
+  }
+
+  /**
+   * Replies that were in flight when the app last ran (kept by `options.persist`): each is resumed from
+   * its saved offset, its stream starting with the saved text, so the app shows it whole with nothing
+   * repeated. One that finished meanwhile replays the rest and ends. Returns [{id, stream}].
+   */
+  async restore() {
+    const saved = await this.#readPersisted();
+    const out = [];
+    for (const [id, e] of Object.entries(saved)) {
+      if (this.#requests.has(id)) continue;
+      const keep = typeof e.text === "string" && e.text.length > 0;
+      const stream = this.resume(id, keep ? { offset: e.offset, epoch: e.epoch ?? null, text: e.text } : {});
+      out.push({ id, stream });
+    }
+    return out;
   }
 
   // -------------------------------------------------------------------------------- requests
@@ -410,6 +515,50 @@ export class TokenwireClient extends Emitter {
     clearTimeout(req.retryTimer);
     this.#requests.delete(req.id);
     req.stream._finish(done, error);
+    // Done and handed to the app: no longer kept for a relaunch (closed by close(): kept, so that a
+    // new client with the same storage picks it up).
+    if (this.#persist && !(error?.code === "closed")) this.#flushPersisted();
+  }
+
+  // -------------------------------------------------------------------------------- persistence
+
+  #persistSoon() {
+    if (!this.#persist || this.#persistTimer) return;
+    this.#persistTimer = setTimeout(() => {
+      this.#persistTimer = null;
+      this.#flushPersisted();
+    }, PERSIST_EVERY_MS);
+  }
+
+  /** Write the replies in flight that the server has accepted (the newest MAX_PERSISTED). */
+  #flushPersisted() {
+    if (!this.#persist) return;
+    clearTimeout(this.#persistTimer);
+    this.#persistTimer = null;
+    const entries = {};
+    const accepted = [...this.#requests.values()].filter((r) => r.accepted && !r.stream.ended);
+    for (const req of accepted.slice(-MAX_PERSISTED)) {
+      const text = req.stream.text;
+      entries[req.id] =
+        text.length <= MAX_PERSISTED_TEXT
+          ? { offset: req.stream.offset, epoch: req.stream.epoch ?? null, text }
+          : { offset: 0, epoch: null, text: "" }; // too long to keep: replayed whole on restore
+    }
+    const write = Object.keys(entries).length
+      ? this.#persist.setItem(this.#persistKey, JSON.stringify(entries))
+      : this.#persist.removeItem(this.#persistKey);
+    Promise.resolve(write).catch((err) => this.emit("error", err));
+  }
+
+  async #readPersisted() {
+    if (!this.#persist) return {};
+    try {
+      const raw = await this.#persist.getItem(this.#persistKey);
+      const parsed = raw ? JSON.parse(raw) : {};
+      return parsed && typeof parsed === "object" && !Array.isArray(parsed) ? parsed : {};
+    } catch {
+      return {}; // unreadable: nothing to restore (never a crash at launch)
+    }
   }
 
   // -------------------------------------------------------------------------------- connection
@@ -622,6 +771,7 @@ export class TokenwireClient extends Emitter {
       req.offset += f.n;
       if (req.stream.state === "queued") req.stream.state = "running";
       req.stream._push({ type: "delta", id: req.id, offset: f.offset, n: f.n, text: f.text });
+      this.#persistSoon();
     } else if (f.offset + f.n <= req.offset) {
       // Already held: never show text twice.
     } else {
@@ -724,7 +874,7 @@ export class TokenwireClient extends Emitter {
   }
 
   /** Drop a socket without waiting for its close handshake (which never ends on a dead network). */
-  #abandon(conn, code, reason) {
+  #abandon(conn, code, reason, { clean = false } = {}) {
     for (const t of conn.timers) {
       clearTimeout(t);
       clearInterval(t);
@@ -735,7 +885,7 @@ export class TokenwireClient extends Emitter {
     ws.onopen = ws.onmessage = ws.onclose = ws.onerror = null;
     ws.onerror = () => {};
     try {
-      if (typeof ws.terminate === "function") ws.terminate();
+      if (!clean && typeof ws.terminate === "function") ws.terminate();
       else ws.close(code >= 4000 && code < 5000 ? code : 1000, reason.slice(0, 100));
     } catch {
       // already closed
@@ -766,6 +916,11 @@ export class TokenwireClient extends Emitter {
         : new TokenwireError(code === 1008 ? "policy_violation" : "protocol_error", `closed ${code} ${reason}`);
       for (const req of [...this.#requests.values()]) this.#end(req, null, err);
       this.#setState("closed", { code, reason, error: err });
+      return;
+    }
+    if (this.#paused || this.#offline) {
+      // Backgrounded or without a network: wait for resume() / setOnline(true) instead of retrying.
+      this.#setState(this.#paused ? "paused" : "offline", { code, reason });
       return;
     }
     const delay = backoffDelay(this.#attempt, { ...this.#opts.backoff, random: this.#opts.backoff?.random });

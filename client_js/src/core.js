@@ -1,6 +1,15 @@
 // Everything but the msgpack implementation, which the entry points (index.js for Node and bundlers,
 // browser.js for browsers without a bundler) pass in.
-export { TokenwireClient as BaseClient, ChatStream, TokenwireError, STATES, backoffDelay, newId } from "./client.js";
+export {
+  TokenwireClient as BaseClient,
+  ChatStream,
+  TokenwireError,
+  STATES,
+  MAX_PERSISTED,
+  MAX_PERSISTED_TEXT,
+  backoffDelay,
+  newId,
+} from "./client.js";
 export {
   MSGPACK_SUBPROTOCOL,
   JSON_SUBPROTOCOL,
@@ -16,4 +25,5 @@ export {
   fromHex,
 } from "./codec.js";
 export * as frames from "./frames.js";
-export { MemoryStorage, defaultStorage } from "./storage.js";
+export { MemoryStorage, defaultStorage, mmkvStorage } from "./storage.js";
+export { withAppState, withNetInfo, withBrowserLifecycle } from "./lifecycle.js";

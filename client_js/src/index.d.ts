@@ -6,7 +6,11 @@ export const JSON_SUBPROTOCOL: "tokenwire.v1.json";
 export const SUBPROTOCOLS: readonly ["tokenwire.v1.msgpack", "tokenwire.v1.json"];
 export type Subprotocol = "tokenwire.v1.msgpack" | "tokenwire.v1.json";
 
-export type ConnectionState = "idle" | "connecting" | "open" | "reconnecting" | "closed";
+/** "paused": after pause() and its grace (no socket, no retries); "offline": setOnline(false) and the socket lost. */
+export type ConnectionState = "idle" | "connecting" | "open" | "reconnecting" | "paused" | "offline" | "closed";
+/** At most this many replies are kept by `persist` (the newest), each with at most MAX_PERSISTED_TEXT characters of text. */
+export const MAX_PERSISTED: number;
+export const MAX_PERSISTED_TEXT: number;
 export const STATES: readonly ConnectionState[];
 
 export type Role = "system" | "user" | "assistant";
@@ -143,6 +147,24 @@ export class MemoryStorage implements TokenStorage {
 
 /** localStorage when usable, else a MemoryStorage. */
 export function defaultStorage(): TokenStorage;
+/** react-native-mmkv's instance (getString/set/delete) as a TokenStorage, for `storage` and `persist`. */
+export function mmkvStorage(mmkv: { getString(key: string): string | undefined; set(key: string, value: string): void; delete(key: string): void }): TokenStorage;
+
+// ------------------------------------------------------------------------------------------ app lifecycle
+
+/** React Native's AppState: "active" → client.resume(), "background" → client.pause({graceMs}). Returns an unsubscribe. */
+export function withAppState(
+  client: BaseClient,
+  AppState: { addEventListener(type: "change", listener: (state: string) => void): { remove(): void } },
+  options?: { graceMs?: number },
+): () => void;
+/** @react-native-community/netinfo: not connected, or isInternetReachable false → setOnline(false); else setOnline(true). */
+export function withNetInfo(
+  client: BaseClient,
+  NetInfo: { addEventListener(listener: (state: { isConnected: boolean | null; isInternetReachable?: boolean | null }) => void): () => void },
+): () => void;
+/** The browser: hidden → pause, visible → resume; "offline"/"online" → setOnline. */
+export function withBrowserLifecycle(client: BaseClient, options?: { window?: unknown; document?: unknown; graceMs?: number }): () => void;
 
 export interface BackoffOptions {
   /** Cap of the first retry's delay (default 300 ms); doubles per failed attempt. */
@@ -204,6 +226,13 @@ export interface ClientOptions {
   networkEvents?: boolean;
   /** Keep the stored session token when a hello is refused as unauthorized (default false: retry once without it). */
   keepSessionOnUnauthorized?: boolean;
+  /**
+   * Keep every reply in flight (its id, last offset, epoch and the text so far) in this storage
+   * (AsyncStorage as is, MMKV through mmkvStorage), written at most every 250 ms and at pause(), so
+   * that after the app is killed a new client with the same storage (and session token storage) can
+   * restore() them. Entries go once a reply has ended and was handed to the app. Default: none.
+   */
+  persist?: TokenStorage | null;
 }
 
 export interface WelcomeFrame {
@@ -236,6 +265,8 @@ export interface ClientEvents {
   connecting: StateEvent;
   open: StateEvent;
   reconnecting: StateEvent;
+  paused: StateEvent;
+  offline: StateEvent;
   closed: StateEvent;
   /** A hello carried these resume points. */
   resume: { points: Array<{ id: string; offset: number; epoch?: number | null }> };
@@ -277,6 +308,20 @@ export class BaseClient {
   chat(input: string | Message[], params?: ChatParams, options?: { id?: string; signal?: AbortSignal }): ChatStream;
   /** Attach to an existing request of this owner from `offset` (0 replays it whole). */
   resume(id: string, options?: { offset?: number; epoch?: number | null; text?: string; signal?: AbortSignal }): ChatStream;
+  /**
+   * Without an id: the app is in the foreground again, or the network is back. Reconnect now, skipping
+   * the backoff, and resume every reply in flight from its last offset (an open socket is probed).
+   */
+  resume(): void;
+  /**
+   * The app went to the background: close the socket cleanly after `graceMs` (default 5000) and try no
+   * reconnect until resume(). Never a cancel: the server runs every request on.
+   */
+  pause(options?: { graceMs?: number }): void;
+  /** Whether the device has a network: offline, a lost socket waits instead of retrying; online, reconnect at once. */
+  setOnline(online: boolean): void;
+  /** The replies `persist` kept from an earlier run, resumed from their saved offsets (their streams start with the saved text). */
+  restore(): Promise<Array<{ id: string; stream: ChatStream }>>;
   /** Stop a request (sent again after a reconnect until the request ends). */
   cancel(id: string): void;
   /** Application ping; resolves with the round-trip time in ms. */

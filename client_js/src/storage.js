@@ -33,3 +33,15 @@ export function defaultStorage() {
   }
   return new MemoryStorage();
 }
+
+/**
+ * react-native-mmkv's instance (getString/set/delete, synchronous) as the Web Storage shape the client's
+ * `storage` and `persist` options take. AsyncStorage already has that shape: pass it as is.
+ */
+export function mmkvStorage(mmkv) {
+  return {
+    getItem: (key) => mmkv.getString(key) ?? null,
+    setItem: (key, value) => mmkv.set(key, String(value)),
+    removeItem: (key) => mmkv.delete(key),
+  };
+}

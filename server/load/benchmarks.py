@@ -113,6 +113,7 @@ def _soak(work: Path, requests: int) -> dict[str, Any]:
 
 SECTIONS = (
     "start",
+    "mobile",
     "engine",
     "e2e",
     "hostile",
@@ -338,8 +339,28 @@ def _start_run(work: Path, quick: bool) -> dict[str, Any]:
     return {"start": run_first_hour(work)}
 
 
+def _mobile_run(work: Path, quick: bool) -> dict[str, Any]:
+    """The JS client's mobile scenario (client_js/test/mobile.test.js) with 50 conversations: its counts."""
+    env = {**os.environ, "TOKENWIRE_MOBILE_CONVERSATIONS": "10" if quick else "50"}
+    env["TOKENWIRE_PYTHON"] = sys.executable
+    cmd = ["node", "--test", "--test-concurrency=1", "client_js/test/mobile.test.js"]
+    print(
+        "$ TOKENWIRE_MOBILE_CONVERSATIONS=" + env["TOKENWIRE_MOBILE_CONVERSATIONS"], " ".join(cmd), flush=True
+    )
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, check=False)
+    line = next((x for x in done.stdout.splitlines() if "mobile-scenario " in x), None)
+    if line is None:
+        raise RuntimeError(
+            f"the mobile scenario printed no counts: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    counts: dict[str, Any] = json.loads(line.split("mobile-scenario ", 1)[1])
+    counts["passed"] = done.returncode == 0
+    return {"mobile": counts}
+
+
 RUNNERS = {
     "start": _start_run,
+    "mobile": _mobile_run,
     "engine": _engine,
     "e2e": _e2e,
     "hostile": _hostile_run,
@@ -626,6 +647,8 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
     ]
     if "start" in r:
         lines += _render_start(r["start"])
+    if "mobile" in r:
+        lines += _render_mobile(r["mobile"])
     if "engine" in r:
         lines += _render_engine(r)
     if "load32" in r:
@@ -810,6 +833,28 @@ def _render_e2e(r: dict[str, Any]) -> list[str]:
             "behind); tokens count from each response's `usage`.",
         ]
     return lines
+
+
+def _render_mobile(m: dict[str, Any]) -> list[str]:
+    return [
+        "",
+        "## A phone's life (`client_js/test/mobile.test.js`, `TOKENWIRE_MOBILE_CONVERSATIONS=50`)",
+        "",
+        "The JS client against `tokenwire serve` (tiny model) through a proxy with 20-60 ms latency, every "
+        "socket cut at once, sockets gone silent and handshakes lost, each conversation's app backgrounded, "
+        "killed and relaunched (restored from its storage) and stopped at seeded points.",
+        "",
+        "| | count |",
+        "| --- | ---: |",
+        "| conversations whose shown text equals the stored completion | "
+        f"{m['exact']} / {m['conversations']} |",
+        f"| backgrounded / killed and relaunched | {m['backgrounded']} / {m['killed']} |",
+        f"| Stops: honoured (cancelled) / the reply ended before the cancel could arrive / lost | "
+        f"{m['stopsHonoured']} / {m['stopsBeforeTheCancelArrived']} / {len(m['stopsIgnored'])} |",
+        "| network: cuts / silences / handshakes lost | "
+        f"{m['cuts']} / {m['silences']} / {m['handshakesDropped']} |",
+        f"| scenario passed | {'yes' if m.get('passed') else '**no**'} |",
+    ]
 
 
 def _render_start(st: dict[str, Any]) -> list[str]:
@@ -1007,9 +1052,22 @@ def _render_gateway_loss(g: dict[str, Any] | None) -> list[str]:
 
 
 # The store's cost before issue 28 (a script call per token, the running set a set), measured once at
-# commit cc44157 on this machine's class of CPU with the command _store_run runs (the old code cannot be
-# measured by this one): kept so the table can show before and after.
-STORE_BEFORE: dict[str, Any] = {"commit": "83e411b", "measured": "", "store": {}}
+# commit 83e411b (main before the store's step writes) on this machine's class of CPU, with this load
+# tool's store-cost scenario against that commit's cluster (the old code cannot run the new scenario by
+# itself): kept so the table can show before and after.
+STORE_BEFORE: dict[str, Any] = {
+    "commit": "83e411b",
+    "measured": "2026-12-04 03:06 UTC (AMD EPYC, 2 cores; 64 requests, 4,576 tokens; "
+    "`python -m server.load.store_of_commit`: that commit's `tokenwire cluster` on a Valkey of its own, "
+    "this load tool's store-cost scenario)",
+    "store": {
+        "commands_per_token": 5.904,
+        "us_per_token": 64.62,
+        "bytes_per_token": 532.6,
+        "bytes_out_per_token": 182.6,
+        "memory_bytes_per_token": 232.5,
+    },
+}
 STORE_FLUSH_MS = 250
 
 

@@ -82,6 +82,8 @@ class ConnectionLimits:
         # every stream it may hold (a hello.resume of max_streams points).
         rrate = st.resume_rate_per_connection
         self.resumes = TokenBucket(rate=rrate, burst=max(2 * rrate, float(st.max_streams_per_connection)))
+        crate = st.cancel_rate_per_connection
+        self.cancels = TokenBucket(rate=crate, burst=max(2 * crate, float(st.max_streams_per_connection)))
         # The text a connection's chats carry, per second: a 1 MiB chat costs as much as 1,000 small ones
         # to store, prepare and template, so the chat rate alone would let one socket push 10 MiB/s.
         brate = float(st.chat_bytes_per_connection)

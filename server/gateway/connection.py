@@ -39,7 +39,7 @@ from protocol import (
 )
 from protocol.connection import ServerConnection
 from server import metrics
-from server.gateway.admission import Ask, Grant, Kind
+from server.gateway.admission import Ask, Grant, Kind, limited
 from server.gateway.auth import authenticate_user
 from server.gateway.core import GatewayCore
 from server.gateway.ingress import pace, peer_address
@@ -69,9 +69,12 @@ class Connection:
         self._waiting: set[asyncio.Task[None]] = set()  # content turns waiting for the previous turn
         self._turn_chain: asyncio.Task[None] | None = None  # the last of them
         self._send_lock = asyncio.Lock()
+        self._closing: asyncio.Future[None] | None = None  # the close of a socket that sent no hello
         self.log = log.bind(server=core.name)
 
     async def run(self) -> None:
+        # A socket that never says hello would hold its read-ahead and a connection slot for ever.
+        no_hello = asyncio.get_running_loop().call_later(self.core.settings.hello_timeout_s, self._no_hello)
         try:
             async for message in self.ws:
                 # Reading is paced (ingress.py): a connection that sends more bytes a second than its
@@ -90,6 +93,7 @@ class Connection:
         except ConnectionClosed:
             pass
         finally:
+            no_hello.cancel()
             # A waiting turn's task releases its grant as it is cancelled; a client that reconnects sends
             # that chat again (it was never accepted).
             for task in [*self._attached.values(), *self._waiting]:
@@ -97,6 +101,12 @@ class Connection:
             # A disconnect never cancels a request: it runs on and its log fills for a later resume.
             self._attached.clear()
             self.limits.close()
+
+    def _no_hello(self) -> None:
+        if not self.session:
+            self.log.info("connection.no_hello")
+            reason = f"no hello within {self.core.settings.hello_timeout_s:g} s"
+            self._closing = asyncio.ensure_future(self.ws.close(CloseCode.POLICY_VIOLATION, reason))
 
     async def _flush(self) -> None:
         async with self._send_lock:
@@ -326,6 +336,9 @@ class Connection:
         self._attach(id, offset, grant)
 
     async def _cancel(self, frame: Cancel) -> None:
+        wait = self.limits.cancels.take()
+        if wait:  # checked before the store is asked anything (SPEC §6)
+            raise limited(frame.id, "too many cancels on this connection", wait)
         before = await self.core.store.cancel(self.owner, frame.id)
         if before is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=frame.id)

@@ -32,6 +32,10 @@ class GatewaySettings:
     ingress_bytes_per_peer: int = 16 << 20
     flood_close_s: float = 1.0
     resume_rate_per_connection: float = 10.0  # resumes per second, bursts of max(2 x that, max_streams)
+    # Cancels per second on one connection, bursts of max(2 x that, max_streams): each costs the store a
+    # script call, so they are limited like resumes (a client stopping all its streams at once passes).
+    cancel_rate_per_connection: float = 10.0
+    hello_timeout_s: float = 10.0  # a WebSocket that has not sent hello by then is closed 1008
     resume_rate_per_user: int = 200  # resumes per second per user, across all gateways
     # Streams one owner may have attached to this gateway at once, over all its connections and doors
     # (WebSocket streams, HTTP streams and waits, content turns waiting for the previous turn).

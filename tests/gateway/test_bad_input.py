@@ -3,8 +3,10 @@ usable and then completes a normal chat. Abuse closes the connection with the ri
 
 from __future__ import annotations
 
+import asyncio
 import json
 from importlib import resources
+from typing import Any
 
 import pytest
 from websockets.asyncio.client import connect
@@ -105,4 +107,40 @@ async def test_chat_before_hello_is_refused_then_hello_works(server: Running) ->
     assert welcome.type == "welcome"
     _, _, done, _ = await collect(c.chat("now", id="late"))
     assert done is not None
+    await c.close()
+
+
+async def test_a_socket_that_never_says_hello_is_closed_1008(redis: Any, redis_url: str, keys: Any) -> None:
+    """A socket that sends nothing (or anything but hello) for hello_timeout_s is closed with 1008: it
+    would otherwise hold a connection and its read-ahead for ever."""
+    from server.gateway.server import GatewaySettings
+    from tests.gateway.conftest import running_server
+
+    async with running_server(
+        redis, redis_url, keys, gateway=GatewaySettings(port=0, hello_timeout_s=0.5)
+    ) as s:
+        c = await Client.connect(s.url, hello=False)
+        await c.send_raw({"type": "ping"})
+        with pytest.raises(ConnectionClosed) as closed:
+            for _ in range(10):
+                await asyncio.wait_for(c.recv(), 5)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+        ok = await Client.connect(s.url)  # one that says hello in time is kept past the deadline
+        await asyncio.sleep(0.8)
+        await ok.send(Ping(ts=7))
+        pong = await asyncio.wait_for(ok.recv(), 5)
+        assert isinstance(pong, Pong) and pong.ts == 7
+        await ok.close()
+
+
+async def test_cancels_past_the_connection_rate_are_refused_before_the_store(server: Running) -> None:
+    c = await Client.connect(server.url)
+    codes = []
+    for i in range(600):
+        await c.send_raw({"type": "cancel", "id": f"nope-{i}"})
+    for _ in range(600):
+        f = await asyncio.wait_for(c.recv(), 10)
+        codes.append(getattr(f, "code", None))
+    assert codes.count("rate_limited") > 0 and codes.count("not_found") > 0  # SPEC §6
+    assert set(codes) == {"rate_limited", "not_found"}
     await c.close()

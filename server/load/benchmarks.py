@@ -116,6 +116,7 @@ SECTIONS = (
     "mobile",
     "engine",
     "e2e",
+    "coalesce",
     "hostile",
     "flood",
     "idle",
@@ -182,6 +183,22 @@ def _e2e(work: Path, quick: bool) -> dict[str, Any]:
                 _load(http, work / f"load32_openai_ws-{i}.json", *workload, "--api", "openai-ws")
             )
     return out
+
+
+COALESCE_MS = 100
+
+
+def _coalesce_run(work: Path, quick: bool) -> dict[str, Any]:
+    """Issue 27's radio figures: the same msgpack workload against one server, every delta as it comes
+    and with ``hello.coalesce_ms`` 100, side by side: bytes per token on the wire and frames per reply."""
+    workload, _users = _workload(quick)
+    out: dict[str, Any] = {}
+    with _serve(work) as s:
+        for ms in (0, COALESCE_MS):
+            out[f"ms{ms}"] = _load(
+                s.urls[0], work / f"coalesce-{ms}.json", *workload, "--coalesce-ms", str(ms)
+            )
+    return {"coalesce": out}
 
 
 def _hostile_run(work: Path, quick: bool) -> dict[str, Any]:
@@ -359,6 +376,7 @@ def _mobile_run(work: Path, quick: bool) -> dict[str, Any]:
 
 
 RUNNERS = {
+    "coalesce": _coalesce_run,
     "start": _start_run,
     "mobile": _mobile_run,
     "engine": _engine,
@@ -653,6 +671,8 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         lines += _render_engine(r)
     if "load32" in r:
         lines += _render_e2e(r)
+    if "coalesce" in r:
+        lines += _render_coalesce(r["coalesce"])
     lines += _hostile(r)
     lines += _flood(r)
     if "idle" in r:
@@ -832,6 +852,43 @@ def _render_e2e(r: dict[str, Any]) -> list[str]:
             + " (a chunk may carry several tokens when a client falls",
             "behind); tokens count from each response's `usage`.",
         ]
+    return lines
+
+
+def _render_coalesce(c: dict[str, Any]) -> list[str]:
+    """Bytes per token and frames per reply, every delta vs hello.coalesce_ms, against the SSE chunk an
+    OpenAI-style server sends per token (computed for the uncoalesced run's deltas)."""
+    plain, gathered = c["ms0"], c[f"ms{COALESCE_MS}"]
+    sse = plain["wire"]["bytes_per_token"]["sse"]
+    lines = [
+        "",
+        f"## Fewer frames for the radio (`hello.coalesce_ms`: {COALESCE_MS} vs 0, msgpack, default model)",
+        "",
+        "The e2e workload against one `tokenwire serve`, run twice side by side: every delta as it comes, "
+        f"then with the users asking for at most one delta per stream every {COALESCE_MS} ms. Bytes are "
+        "measured on the wire (WebSocket payload and header); the SSE chunk is what an OpenAI-style "
+        "server sends per token for the same texts.",
+        "",
+        "| | bytes per token | vs SSE chunk | frames per reply | tokens per frame | tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, run in (("every delta", plain), (f"coalesce_ms {COALESCE_MS}", gathered)):
+        m = run["wire"]["measured"]["msgpack"]
+        ok = run["requests"]["ok"]
+        lines.append(
+            f"| {label} | {_f(m['wire_per_token'], 1)} | {_f(m['wire_per_token'] / sse, 3)}x | "
+            f"{_f(m['frames'] / max(1, ok), 1)} | {_f(m['tokens'] / max(1, m['frames']), 2)} | "
+            f"{_f(run['tokens'].get('per_s') if isinstance(run.get('tokens'), dict) else None, 1)} |"
+        )
+    g = gathered["wire"]["measured"]["msgpack"]
+    ratio = g["wire_per_token"] / sse
+    per_frame = g["tokens"] / max(1, g["frames"])
+    lines += [
+        "",
+        f"Targets (issue 27): ≤ 0.12x the SSE chunk: {'met' if ratio <= 0.12 else '**missed**'} "
+        f"({ratio:.3f}x); frames per reply ≤ 1/5 of its tokens: {'met' if per_frame >= 5 else '**missed**'} "
+        f"({per_frame:.2f} tokens per frame).",
+    ]
     return lines
 
 

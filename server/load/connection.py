@@ -40,6 +40,7 @@ class LoadClient(Client):
         session_token: str | None = None,
         resume: tuple[ResumePoint, ...] = (),
         open_timeout: float = 30.0,
+        coalesce_ms: int | None = None,
     ) -> LoadClient:
         """Connect and say hello; raises ServerError if the server answers with an error instead of
         welcome, OSError/websockets errors if the connection fails."""
@@ -54,7 +55,9 @@ class LoadClient(Client):
         c = cls(ws, ClientConnection(subprotocol))
         c.subprotocol = subprotocol
         try:
-            await c.send(Hello(token=token, session_token=session_token, resume=resume))
+            await c.send(
+                Hello(token=token, session_token=session_token, resume=resume, coalesce_ms=coalesce_ms)
+            )
             first, _ = await c.recv_sized()
         except BaseException:
             c.abort()

@@ -241,6 +241,7 @@ class Conversation:
             token=self.state.cfg.token,
             session_token=self.session_token,
             resume=resume,
+            coalesce_ms=self.state.cfg.coalesce_ms or None,
         )
         assert c.welcome is not None
         self.session_token = c.welcome.session_token

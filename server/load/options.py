@@ -90,6 +90,7 @@ class LoadConfig:
     idle_only: bool = False
     ping_interval: float = 5.0
     subprotocol: str = "msgpack"  # msgpack | json | both (users and idle connections alternate)
+    coalesce_ms: int = 0  # hello.coalesce_ms of the users' connections (0: every delta as it comes)
     verify: str = "drops"  # which requests get a replay-from-0 check after done
     seed: int = 0
     request_timeout: float = 300.0
@@ -115,6 +116,8 @@ class LoadConfig:
             raise ValueError("--drop-rate must be in [0, 1]")
         if self.rate is not None and not self.rate > 0:
             raise ValueError("--rate must be positive")
+        if not 0 <= self.coalesce_ms <= 1000:
+            raise ValueError("--coalesce-ms must be 0-1000")
         if self.subprotocol not in SUBPROTOCOL_MODES:
             raise ValueError(f"--subprotocol must be one of {', '.join(SUBPROTOCOL_MODES)}")
         if self.verify not in VERIFY_MODES:
@@ -148,6 +151,7 @@ class LoadConfig:
             "idle": self.idle,
             "ping_interval_s": self.ping_interval,
             "subprotocol": self.subprotocol,
+            "coalesce_ms": self.coalesce_ms,
             "verify": self.verify,
             "seed": self.seed,
             "api": self.api,
@@ -216,6 +220,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=SUBPROTOCOL_MODES,
         default="msgpack",
         help="both: users and idle connections alternate msgpack and JSON",
+    )
+    w.add_argument(
+        "--coalesce-ms",
+        type=int,
+        default=0,
+        help="ask for at most one delta per stream every N ms (hello.coalesce_ms, 0-1000; default 0)",
     )
     w.add_argument("--token", help="JWT for servers with auth on")
     w.add_argument(
@@ -329,6 +339,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         idle_only=args.idle_only,
         ping_interval=args.ping_interval,
         subprotocol=args.subprotocol,
+        coalesce_ms=args.coalesce_ms,
         verify=args.verify,
         seed=args.seed,
         request_timeout=args.request_timeout,

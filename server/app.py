@@ -229,6 +229,15 @@ def return_freed_memory_to_the_os() -> None:
         pass
 
 
+def trim_heap() -> None:
+    """glibc's ``malloc_trim``: hand the heap's free pages back to the OS (elsewhere, nothing)."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
 async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gateway:
     secret = await shared_secret(h.r, h.store.keys, cfg.session_secret)
     return_freed_memory_to_the_os()
@@ -269,8 +278,10 @@ def load_engine(
 
     loaded = load_model(model, device=device, dtype=dtype)
     overrides = {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {}
-    # Batching for Llama-family models, SimpleEngine for the rest.
-    return loaded, engine_for(loaded, fair=scheduling != "fifo", **overrides)
+    # Batching for Llama-family models, SimpleEngine for the rest. Serving keeps one copy of the weights.
+    engine = engine_for(loaded, fair=scheduling != "fifo", one_copy=True, **overrides)
+    trim_heap()  # the start's temporaries (GGUF conversion, the dtype measurement) back to the OS
+    return loaded, engine
 
 
 async def start_worker(cfg: ServeConfig, h: StoreHandles, index: int = 0) -> Any:

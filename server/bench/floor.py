@@ -1,9 +1,19 @@
-"""The hardware's side of a decode step: the matmul-only floor, and where the engine's step time goes.
+"""The hardware's side of a decode step: the matmul-only floor, the roofline, and where the step's time goes.
 
 The floor of a decode step at R rows is the time of the model's linear layers and its LM head on R rows,
 nothing else (no attention, norms, rotary, sampling or bookkeeping), through the same GEMM calls the
 engine makes (``llama.linear``: oneDNN on packed weights, or MKL/cuBLAS). The engine's median decode
-step over that floor at the same R is how close a step comes to what the hardware can do.
+step over that floor at the same R is how close a step comes to what the hardware can do for its GEMMs.
+
+The floor leaves attention out, and attention is memory traffic: a decode row's query reads every key and
+value of its sequence, 2 FLOPs per number read. So the **roofline** of a step is the larger of the floor
+and the time to read what the step must read at the machine's read bandwidth, measured in the same run:
+every weight of the linear layers and LM head in the step's dtype once, plus every decode row's KV at its
+real (live) length. ``step_over_roofline`` is the median decode step over its own roofline.
+
+Attention's FLOPs are left out of the roofline on purpose: at one query per row they are 2 per KV number,
+a fraction of what the bytes cost at this bandwidth (an fp32 KV number is 4 bytes: 0.5 FLOP per byte,
+where a core does tens per byte it can read), so they never bind.
 """
 
 from __future__ import annotations
@@ -112,3 +122,67 @@ def breakdown(steps: list[StepRecord], rows: int) -> dict[str, float]:
     out = {p: round(statistics.median(s.phases.get(p, 0.0) for s in at) * 1000, 2) for p in PHASES}
     out["total"] = round(statistics.median(s.seconds for s in at) * 1000, 2)
     return out
+
+
+def read_bandwidth(device: torch.device | str = "cpu", *, mib: int = 512, reps: int = 5) -> float:
+    """The machine's read bandwidth in bytes/s: the median of summing a ``mib`` MiB tensor (far larger
+    than any cache), with the engine's threads."""
+    dev = torch.device(device)
+    x = torch.ones(mib << 18, dtype=torch.float32, device=dev)  # mib MiB of float32
+    times = []
+    with torch.inference_mode():
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            x.sum()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if i:  # the first is warm-up
+                times.append(time.perf_counter() - t0)
+    return x.numel() * x.element_size() / statistics.median(times)
+
+
+def weight_bytes(weights: llama.Weights) -> int:
+    """Bytes a decode step reads of weights: every linear layer and the LM head once, in the step's dtype
+    (norms and the embedding rows it looks up are a few KB)."""
+    size = weights.embed.element_size()
+    lins = [x for layer in weights.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    lins.append(weights.lm_head)
+    return sum(x.in_features * x.out_features * size for x in lins)
+
+
+def roofline(
+    steps: list[StepRecord],
+    floor: dict[int, float],
+    *,
+    bandwidth: float,
+    weights: int,
+    kv_per_token: int,
+) -> dict[str, Any]:
+    """Each decode step (at a row count whose floor was measured) over max(floor, bytes / bandwidth);
+    the median, and the bytes of the median step."""
+    over, at = [], []
+    for s in steps:
+        if s.rows not in floor:
+            continue
+        nbytes = weights + s.kv_tokens * kv_per_token
+        line = max(floor[s.rows], nbytes / bandwidth)
+        over.append(s.seconds / line)
+        at.append((s.seconds / line, s, nbytes, line))
+    if not over:
+        return {"step_over_roofline": None}
+    at.sort(key=lambda x: x[0])
+    _, mid, nbytes, line = at[len(at) // 2]
+    return {
+        "step_over_roofline": round(statistics.median(over), 2),
+        "bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "weight_mb": round(weights / 1e6, 1),
+        "median_step": {
+            "rows": mid.rows,
+            "ms": round(mid.seconds * 1000, 1),
+            "kv_mb": round(mid.kv_tokens * kv_per_token / 1e6, 1),
+            "bytes_mb": round(nbytes / 1e6, 1),
+            "memory_ms": round(nbytes / bandwidth * 1000, 1),
+            "floor_ms": round(floor[mid.rows] * 1000, 1),
+            "roofline_ms": round(line * 1000, 1),
+        },
+    }

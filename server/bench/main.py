@@ -36,6 +36,7 @@ from server.bench.paths import (
 from server.engine import llama
 from server.engine.model import load_model, pick_device
 from server.engine.profile import StepRecord
+from server.engine.runner import kv_bytes_per_token
 
 BASELINES = ("padded_loop", "static", "hf_cb")
 
@@ -157,6 +158,25 @@ def _floor(
         f"{summary['steps_compared']} of {summary['decode_steps']} decode steps (at {top} rows: median step "
         f"{statistics.median(at_top) * 1000:.1f} ms, floor {floor[top] * 1000:.1f} ms)"
     )
+    kv_per_token = kv_bytes_per_token(loaded.model, loaded.dtype)
+    line = fl.roofline(
+        decode,
+        floor,
+        bandwidth=fl.read_bandwidth(weights.embed.device),
+        weights=fl.weight_bytes(weights),
+        kv_per_token=kv_per_token,
+    )
+    over = results["engine"]["step_over_roofline"] = line.pop("step_over_roofline")
+    results["roofline"] = line
+    if over is not None:
+        m = line["median_step"]
+        echo(
+            f"roofline: reads at {line['bandwidth_gb_s']} GB/s (measured now); a step reads "
+            f"{line['weight_mb']} MB of weights + its rows' live KV ({kv_per_token} B a token). Engine "
+            f"decode step over max(floor, bytes / bandwidth): median {over}x "
+            f"(the median step: {m['rows']} rows, {m['ms']} ms; {m['bytes_mb']} MB = {m['memory_ms']} ms "
+            f"of reads, floor {m['floor_ms']} ms)"
+        )
     parts = fl.breakdown(decode, top)
     results["profile"] = {"rows": top, "ms": parts}
     if profile and parts:

@@ -45,6 +45,7 @@ def engine_for(loaded: LoadedModel, **overrides: Any) -> Engine:
     reason = llama.unsupported_reason(loaded.model)
     if reason is None:
         return BatchingEngine(loaded, **overrides)
+    overrides.pop("one_copy", None)  # the generic path runs the model itself: its weights stay
     from server.engine.simple import SimpleEngine
 
     log.warning("engine.generic_path", model=loaded.name, reason=reason)
@@ -121,14 +122,29 @@ class BatchingEngine(ThreadedEngine):
 
     takes_ids = True
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        one_copy: bool = False,
+        **overrides: Any,
+    ) -> None:
+        """``one_copy``: the engine becomes the only user of the model's linear weights, which are then
+        kept once, as oneDNN's packed copies on CPU (serving does this; the bench, which also runs
+        transformers on the same model, does not)."""
         super().__init__()
         self.m = loaded
         self.config = config or default_config(loaded, **overrides)
         self.max_context = self.config.max_context
         self.max_prompt_tokens = self.config.max_context - 1
         self.prompter = loaded.prompter  # built here, once, not lazily on a pool thread
-        self.runner = Runner(loaded.model, self.config.pools, device=loaded.device, dtype=loaded.dtype)
+        self.runner = Runner(
+            loaded.model, self.config.pools, device=loaded.device, dtype=loaded.dtype, keep_plain=not one_copy
+        )
+        if one_copy:
+            self.runner.weights, freed = llama.release_model_linears(loaded.model, self.runner.weights)
+            log.info("engine.weights_released", mb=freed >> 20)
         self.sched = self._new_scheduler()
         self._lock = threading.Lock()
         self._inbox_submits = 0  # submitted, not yet taken by the engine thread
@@ -216,8 +232,9 @@ class BatchingEngine(ThreadedEngine):
         tokens = self.runner.step(batch, prof.lap)
         outs = self.sched.postprocess(batch, tokens)
         prof.lap("postprocess")
-        rows = sum(1 for w in batch.work if w.n == 1)
-        prof.end(rows, sum(w.n for w in batch.work) - rows)
+        decode = [w for w in batch.work if w.n == 1]
+        # A decode row attends over its whole live KV, the new token's included: start + 1 positions.
+        prof.end(len(decode), sum(w.n for w in batch.work) - len(decode), sum(w.start + 1 for w in decode))
         self.tokens_generated += len(tokens)
         self.steps += 1
         self.step_seconds += prof.steps[-1].seconds

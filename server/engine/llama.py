@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -44,11 +45,23 @@ class Shape:
 
 @dataclass(frozen=True, slots=True)
 class Linear:
-    """A linear layer's weight [out, in] (and bias [out]), with a oneDNN-packed copy on CPU."""
+    """A linear layer's weight [out, in] (and bias [out]), with a oneDNN-packed copy on CPU.
+
+    Once the packed copy exists, ``w`` may be a meta tensor (its shape, no memory): every CPU GEMM reads
+    the packed copy, so the plain one is dropped to keep one copy of the weights (``weights_of(...,
+    keep_plain=False)``)."""
 
     w: Tensor
     b: Tensor | None = None
     packed: Tensor | None = None
+
+    @property
+    def in_features(self) -> int:
+        return int(self.w.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.w.shape[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,13 +139,20 @@ def _pack(w: Tensor) -> Tensor | None:
         return None
 
 
-def _linear(module: Any, pack: bool) -> Linear:
+def _finish(w: Tensor, b: Tensor | None, pack: bool, keep_plain: bool) -> Linear:
+    packed = _pack(w) if pack else None
+    if packed is not None and not keep_plain:
+        w = torch.empty(w.shape, dtype=w.dtype, device="meta")  # the shape stays, the memory goes
+    return Linear(w, b, packed)
+
+
+def _linear(module: Any, pack: bool, keep_plain: bool) -> Linear:
     w = module.weight.detach()
     b = getattr(module, "bias", None)
-    return Linear(w, None if b is None else b.detach(), _pack(w) if pack else None)
+    return _finish(w, None if b is None else b.detach(), pack, keep_plain)
 
 
-def _fused(modules: list[Any], pack: bool) -> Linear:
+def _fused(modules: list[Any], pack: bool, keep_plain: bool) -> Linear:
     """One linear layer out of several that read the same input (their outputs side by side). The
     concatenated weight is a copy; the model's own tensors stay as they are."""
     w = torch.cat([m.weight.detach() for m in modules])
@@ -144,12 +164,13 @@ def _fused(modules: list[Any], pack: bool) -> Linear:
             for x, m in zip(biases, modules, strict=True)
         ]
         b = torch.cat(parts)
-    return Linear(w, b, _pack(w) if pack else None)
+    return _finish(w, b, pack, keep_plain)
 
 
-def weights_of(model: Any, max_positions: int, *, pack: bool = True) -> Weights:
+def weights_of(model: Any, max_positions: int, *, pack: bool = True, keep_plain: bool = True) -> Weights:
     """The model's weights as plain tensors (packed copies for oneDNN with ``pack`` on CPU), plus rotary
-    tables for positions [0, max_positions)."""
+    tables for positions [0, max_positions). With ``keep_plain`` off, a linear layer that has a packed
+    copy keeps only that one (see ``release_model_linears`` for the model's own tensors)."""
     inner = model.model
     layers = []
     for layer in inner.layers:
@@ -157,11 +178,11 @@ def weights_of(model: Any, max_positions: int, *, pack: bool = True) -> Weights:
         layers.append(
             Layer(
                 attn_norm=layer.input_layernorm.weight.detach(),
-                qkv=_fused([a.q_proj, a.k_proj, a.v_proj], pack),
-                o=_linear(a.o_proj, pack),
+                qkv=_fused([a.q_proj, a.k_proj, a.v_proj], pack, keep_plain),
+                o=_linear(a.o_proj, pack, keep_plain),
                 mlp_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=_fused([m.gate_proj, m.up_proj], pack),
-                down=_linear(m.down_proj, pack),
+                gate_up=_fused([m.gate_proj, m.up_proj], pack, keep_plain),
+                down=_linear(m.down_proj, pack, keep_plain),
             )
         )
     embed = inner.embed_tokens.weight.detach()
@@ -174,9 +195,89 @@ def weights_of(model: Any, max_positions: int, *, pack: bool = True) -> Weights:
         embed=embed,
         layers=tuple(layers),
         norm=inner.norm.weight.detach(),
-        lm_head=_linear(model.lm_head, pack),
+        lm_head=_linear(model.lm_head, pack, keep_plain),
         cos=cos[0].float(),
         sin=sin[0].float(),
+    )
+
+
+class ReleasedLinear(torch.nn.Module):
+    """Where a model's linear layer was, once the engine holds its only (packed) copy: calling it is a
+    clear error, never numbers."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        raise RuntimeError("this model's weights were released: the serving engine holds their only copy")
+
+
+def release_model_linears(model: Any, weights: Weights) -> tuple[Weights, int]:
+    """Keep one copy of the weights: the model's linear layers that live on as packed copies only are
+    replaced by ``ReleasedLinear`` (their tensors freed), and what the forward still reads of the model
+    (embedding, norms, biases) is copied out of the checkpoint's file mapping into memory of its own.
+    transformers maps a
+    safetensors file and its tensors are views of that mapping: while one of them lives (the embedding),
+    every page of the file the packing read stays resident. Returns the weights to run (the same
+    numbers, now in those copies) and the bytes of model tensors released.
+
+    The model is a shell afterwards (config, embedding, norms, rotary module; calling it raises).
+    Serving does this; the bench, which runs transformers on the same model afterwards, does not."""
+    if not weights.layers or weights.layers[0].qkv.w.device.type != "meta":
+        return weights, 0  # plain copies kept: the model's tensors are what the runner reads
+    freed = 0
+    embed = model.model.embed_tokens.weight
+    owners: list[tuple[Any, str]] = []
+    if weights.lm_head.w.device.type == "meta":
+        owners.append((model, "lm_head"))
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        owners += [(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        owners += [(m, n) for n in ("gate_proj", "up_proj", "down_proj")]
+    for parent, name in owners:
+        w = getattr(parent, name).weight
+        if w.data_ptr() == embed.data_ptr():
+            continue  # tied to the embedding the forward still reads
+        freed += w.numel() * w.element_size()
+        # Not a meta weight: F.linear on a CPU input and a meta weight returns uninitialised memory.
+        setattr(parent, name, ReleasedLinear(int(w.shape[1]), int(w.shape[0])))
+    moved: dict[int, Tensor] = {}
+    for p in model.parameters():  # tied parameters come once
+        if p.device.type == "cpu":
+            old = p.data_ptr()
+            p.data = p.data.clone()
+            moved[old] = p.data
+    if not moved:
+        return weights, freed
+
+    def own(t: Tensor | None) -> Any:
+        return moved.get(t.data_ptr(), t) if t is not None and t.device.type == "cpu" else t
+
+    def own_linear(lin: Linear) -> Linear:
+        return Linear(lin.w, own(lin.b), lin.packed)
+
+    layers = tuple(
+        Layer(
+            attn_norm=own(x.attn_norm),
+            qkv=own_linear(x.qkv),
+            o=own_linear(x.o),
+            mlp_norm=own(x.mlp_norm),
+            gate_up=own_linear(x.gate_up),
+            down=own_linear(x.down),
+        )
+        for x in weights.layers
+    )
+    return (
+        Weights(
+            embed=own(weights.embed),
+            layers=layers,
+            norm=own(weights.norm),
+            lm_head=own_linear(weights.lm_head),
+            cos=weights.cos,
+            sin=weights.sin,
+        ),
+        freed,
     )
 
 
@@ -222,6 +323,20 @@ class StepLayout:
     logits_at: Tensor  # [R] tokens whose next-token logits are wanted
 
 
+def zeroed(size: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> Tensor:
+    """A zero tensor whose pages, on CPU, become resident only when written. ``torch.zeros`` writes every
+    byte at start, so a 1 GiB KV budget was 1 GiB of resident memory before the first chat; calloc (via
+    numpy) maps fresh zero pages from the OS instead, and reading an untouched page costs no memory."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(size, dtype=dtype, device=device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    n = 1
+    for d in size:
+        n *= d
+    raw = torch.from_numpy(np.zeros(n * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(size)
+
+
 class Cache:
     """K and V of every layer in one preallocated tensor, seen as slot pools.
 
@@ -238,7 +353,7 @@ class Cache:
         for n_slots, length in pools:
             self.bases.append(rows)
             rows += n_slots * shape.n_kv_heads * length
-        self.data = torch.zeros(shape.n_layers, 2, rows, shape.head_dim, dtype=dtype, device=device)
+        self.data = zeroed((shape.n_layers, 2, rows, shape.head_dim), dtype, device)
         # Every layer's K/V views per pool, made once: the forward asks for them 30 times a step.
         self.views = [[self._layer_pool(i, p) for p in range(len(pools))] for i in range(shape.n_layers)]
 
@@ -295,8 +410,8 @@ def linear(x: Tensor, lin: Linear) -> Tensor:
     # x [T, in] -> [T, out]: cuBLAS on CUDA; on CPU, the GEMMs that measured fastest here (2 cores):
     if x.device.type != "cpu":
         return F.linear(x, lin.w, lin.b)
-    if lin.packed is not None and x.shape[0] >= 3:
-        # oneDNN on the packed weight: the fastest from a few rows up to prefill chunks.
+    if lin.packed is not None:
+        # oneDNN on the packed weight: the fastest at every row count measured (1 row to prefill chunks).
         y: Tensor = torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.b, "none", [], "")
         return y
     x = x.contiguous()

@@ -25,6 +25,7 @@ class StepRecord:
     prefill: int  # prefill tokens
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)
+    kv_tokens: int = 0  # KV positions the decode rows attend over (each row's live length), for the roofline
 
 
 class StepProfile:
@@ -44,8 +45,8 @@ class StepProfile:
         self._phases[phase] = self._phases.get(phase, 0.0) + now - self._t
         self._t = now
 
-    def end(self, rows: int, prefill: int) -> None:
-        self.steps.append(StepRecord(rows, prefill, time.perf_counter() - self._t0, self._phases))
+    def end(self, rows: int, prefill: int, kv_tokens: int = 0) -> None:
+        self.steps.append(StepRecord(rows, prefill, time.perf_counter() - self._t0, self._phases, kv_tokens))
 
     def add_to_last(self, phase: str, seconds: float) -> None:
         """Time spent for the last step after it ended (the hand-off of its outputs)."""

@@ -31,10 +31,17 @@ def kv_bytes_per_token(model: Any, dtype: torch.dtype) -> int:
 
 
 class Runner:
-    """Owns the model weights (shared with the HF model, not copied) and the preallocated KV cache."""
+    """Owns the model weights (the HF model's tensors, fused and oneDNN-packed on CPU; with ``keep_plain``
+    off, the packed copies only) and the preallocated KV cache."""
 
     def __init__(
-        self, model: Any, pools: Sequence[tuple[int, int]], *, device: str | torch.device, dtype: torch.dtype
+        self,
+        model: Any,
+        pools: Sequence[tuple[int, int]],
+        *,
+        device: str | torch.device,
+        dtype: torch.dtype,
+        keep_plain: bool = True,
     ) -> None:
         reason = llama.unsupported_reason(model)
         if reason is not None:
@@ -42,7 +49,7 @@ class Runner:
         self.device = torch.device(device)
         self.shape = llama.shape_of(model)
         max_len = max(length for _, length in pools)
-        self.weights = llama.weights_of(model, max(max_len, 1))
+        self.weights = llama.weights_of(model, max(max_len, 1), keep_plain=keep_plain)
         self.cache = llama.Cache(self.shape, list(pools), dtype=dtype, device=self.device)
         self.stats = RunnerStats(
             kv_bytes=self.cache.data.numel() * self.cache.data.element_size(),

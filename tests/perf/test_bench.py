@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from server.bench import main as bench_main
 from server.bench import paths as bench_paths
@@ -59,6 +60,39 @@ def test_bench_json_has_the_headline_fields(tiny_config: str, tmp_path: Path) ->
     parts = res["profile"]["ms"]
     assert set(parts) >= {"linear", "attention", "sampling", "schedule", "hand-off", "total"}
     assert sum(v for k, v in parts.items() if k != "total") > 0
+    # The roofline: measured bandwidth, the bytes a step reads, and the step over max(floor, reads).
+    line = res["roofline"]
+    assert res["engine"]["step_over_roofline"] > 0 and line["bandwidth_gb_s"] > 0
+    m = line["median_step"]
+    assert m["kv_mb"] > 0 and abs(m["bytes_mb"] - (line["weight_mb"] + m["kv_mb"])) <= 0.2
+    assert m["roofline_ms"] == max(m["floor_ms"], m["memory_ms"])
+
+
+def test_the_roofline_is_the_larger_of_the_floor_and_the_reads() -> None:
+    from server.bench import floor as fl
+    from server.engine.profile import StepRecord
+
+    floor = {4: 0.010, 8: 0.020}
+    steps = [
+        StepRecord(4, 0, 0.030, kv_tokens=10_000),  # reads 5 MB + 10 MB = 15 ms at 1 GB/s: memory-bound
+        StepRecord(8, 0, 0.030, kv_tokens=1_000),  # reads 6 MB = 6 ms: the 20 ms floor binds
+        StepRecord(8, 0, 0.044, kv_tokens=2_000),
+        StepRecord(16, 0, 1.0, kv_tokens=5),  # no floor measured at 16 rows: not compared
+    ]
+    out = fl.roofline(steps, floor, bandwidth=1e9, weights=5_000_000, kv_per_token=1_000)
+    assert out["step_over_roofline"] == 2.0  # median of 30/15, 30/20, 44/20
+    assert out["median_step"]["rows"] == 4 and out["median_step"]["memory_ms"] == 15.0
+    none = fl.roofline(steps[3:], floor, bandwidth=1e9, weights=1, kv_per_token=1)
+    assert none == {"step_over_roofline": None}
+
+
+def test_weight_bytes_count_every_linear_layer_once(tiny_config: str) -> None:
+    from server.bench import floor as fl
+
+    m = random_model(tiny_config, "cpu", "float32").model
+    linears = [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
+    expect = sum(x.weight.numel() * 4 for x in linears)  # q, k, v, o, gate, up, down per layer, LM head
+    assert fl.weight_bytes(llama.weights_of(m, 8)) == expect
 
 
 def test_every_path_gets_the_same_warm_up(

@@ -1,0 +1,63 @@
+"""Half the memory: serving keeps one copy of the weights (oneDNN's packed copies, the model's own linear
+tensors released, the rest out of the checkpoint's file mapping) and a KV cache whose pages become
+resident only when written. Same tokens as the engine that keeps every copy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.engine import llama
+from server.engine.api import SamplingParams
+from server.engine.model import load_model
+from server.engine.runner import Runner
+from tests.engine.test_runner import PROMPTS, Req, chat, drive
+
+
+def _rss_anon_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    pytest.skip("no RssAnon in /proc/self/status")
+
+
+def test_the_kv_cache_is_zero_and_costs_no_memory_until_written() -> None:
+    before = _rss_anon_kib()
+    t = llama.zeroed((8, 2, 1 << 20, 16), torch.float32, "cpu")  # 1 GiB
+    assert t.shape == (8, 2, 1 << 20, 16) and t.dtype == torch.float32
+    assert float(t[3, 1, 12345:12400].abs().sum()) == 0.0  # reading untouched pages: zeros, no memory
+    grown = _rss_anon_kib() - before
+    assert grown < 64 * 1024, f"a 1 GiB zeroed cache made {grown} KiB resident before any write"
+    t[0, 0, :1024].fill_(1.5)
+    assert float(t[0, 0, :1024].sum()) == 1.5 * 1024 * 16
+    b = llama.zeroed((4, 6), torch.bfloat16, "cpu")
+    assert b.dtype == torch.bfloat16 and b.shape == (4, 6) and not b.any()
+
+
+def test_one_copy_gives_the_same_tokens_and_releases_the_model_linears(tiny_model_dir: Path) -> None:
+    kept, served = load_model(tiny_model_dir), load_model(tiny_model_dir)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, seed=7)
+    reqs = [Req(f"r{i}", chat(kept, p), greedy if i % 2 else sampled, join=i) for i, p in enumerate(PROMPTS)]
+    pools = ((4, 48), (2, 256))
+    runner = Runner(served.model, pools, device="cpu", dtype=served.dtype, keep_plain=False)
+    runner.weights, freed = llama.release_model_linears(served.model, runner.weights)
+    if runner.weights.layers[0].qkv.packed is None:
+        pytest.skip("oneDNN is not available: nothing is packed, every copy is kept")
+    assert freed > 0
+    layer = served.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, llama.ReleasedLinear)
+    assert isinstance(layer.mlp.down_proj, llama.ReleasedLinear)
+    assert runner.weights.layers[0].qkv.w.device.type == "meta"  # the fused plain copy is gone too
+    # What the forward still reads of the model is the model's (moved) tensor, not a stale view.
+    assert runner.weights.embed.data_ptr() == served.model.model.embed_tokens.weight.data_ptr()
+    with pytest.raises(RuntimeError, match="released"):  # a shell now: an error, never numbers
+        served.model(input_ids=torch.tensor([[1, 2, 3]]))
+
+    ref = drive(kept, reqs, pools=pools, prefill_tokens=16, max_running=4)
+    got = drive(served, reqs, pools=pools, prefill_tokens=16, max_running=4, runner=runner)
+    assert got.tokens == ref.tokens
+    assert any(len(v) > 5 for v in got.tokens.values())

@@ -62,6 +62,11 @@ async def test_metrics_parse_and_move(server: Running) -> None:
     assert after[("tokenwire_connections_open", ())] >= 1
     for name in ("tokenwire_queue_depth", "tokenwire_requests_running", "tokenwire_streams_attached"):
         assert (name, ()) in after
+    # The process's own resident memory (prometheus-client's standard process collector), what an
+    # operator watches for the one copy of the weights the engine keeps.
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    assert 0.5 * rss < after[("process_resident_memory_bytes", ())] < 2 * rss
 
 
 async def test_bad_frames_are_counted_by_code(server: Running) -> None:

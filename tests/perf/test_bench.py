@@ -133,9 +133,15 @@ def test_the_135m_preset_is_smollm2_shaped() -> None:
 
 
 def _dtype_run(engine_tok_s: float, over: float) -> dict[str, Any]:
+    # The roofline here is the floor (a compute-bound step): step / roofline = step / floor.
     return {
         "padded_loop": {"tok_s": 100.0},
-        "engine": {"tok_s": engine_tok_s, "step_over_floor": over, "median_step_ms": 60.0},
+        "engine": {
+            "tok_s": engine_tok_s,
+            "step_over_floor": over,
+            "step_over_roofline": over,
+            "median_step_ms": 60.0,
+        },
         "floor": {"ms": 30.0, "rows": 32, "by_rows_ms": {"8": 12.0, "32": 30.0}},
         "profile": {"rows": 32, "ms": {"linear": 35.0, "attention": 20.0, "total": 70.0}},
     }
@@ -148,7 +154,8 @@ def test_benchmarks_md_says_which_dtype_target_missed_and_why() -> None:
     assert "| float32 | 100.0 | 210.0 | 2.10x |" in text and "| yes |" in text
     why = text.split("missed, and why")[1]
     assert "float32" not in why  # met both targets: nothing to explain
-    assert "bfloat16, step / floor 2.30x (missed)" in why and "1.83x the floor" in why  # (35 + 20) / 30
+    assert "bfloat16, step / roofline 2.30x (missed)" in why and "1.83x the floor" in why  # (35 + 20) / 30
+    assert "everything else (norms, rotary, KV writes, sampling, bookkeeping) 15.0 ms" in why  # 70 - 35 - 20
     assert "bfloat16, engine / padded_loop 1.50x (missed)" in why and "40% of the 30.0 ms" in why
 
 

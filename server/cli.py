@@ -572,7 +572,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", metavar="FILE", help="write the results as JSON")
     b.add_argument("--turns", type=int, default=0, help="also measure TTFT per turn of an N-turn session")
     b.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, ...")
-    b.add_argument("--random-weights", metavar="CONFIG", help="random Llama: 1b, 135m or a config.json")
+    b.add_argument(
+        "--random-weights", metavar="CONFIG", help="random Llama: 1b, 1.7b, 135m, tiny or a config.json"
+    )
     b.add_argument("--requests", type=int, default=32, help="concurrent requests per path")
     b.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling")
     b.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")

@@ -41,6 +41,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
     ),
+    # SmolLM2-1.7B's shape (its config.json): full multi-head attention (32 KV heads), rope_theta 130000.
+    "1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=130000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+    # A toy of the same architecture (grouped-query attention, tied embeddings): a whole bench in seconds
+    # on a CPU, for smoke tests of the bench and its scripts (server/bench/gpu.sh --smoke). No figure
+    # measured on it means anything.
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -64,7 +94,8 @@ class IdTokenizer:
 
 
 def random_model(spec: str, device: str, dtype: str) -> LoadedModel:
-    """A randomly initialised Llama from a preset name (``1b``, ``135m``) or a config.json path."""
+    """A randomly initialised Llama from a preset name (``1b``, ``1.7b``, ``135m``, ``tiny``) or a
+    config.json path."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     fields = PRESETS.get(spec.lower())

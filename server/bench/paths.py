@@ -10,10 +10,18 @@ consecutive tokens as its client would see them.
 Every path gets the same warm-up first, untimed: ``warmup_requests`` (two of the requests, 4 tokens each)
 through its own machinery, so first-use costs (oneDNN primitives, caches, allocator) count for none.
 A path that fails, or produces fewer tokens than asked, raises: the bench reports it and fails.
+
+Device-generic: every tensor is made on ``loaded.device`` (or on the CPU and moved there), every timestamp
+is taken after a CUDA synchronisation, and each path hands its memory back when it ends (``_release``), so
+the next path on a GPU (the engine sizes its KV cache from the free memory) finds what this one found.
+The transformers calls work with the version the project pins and with the older 5.x that a GPU image may
+carry (``cache=`` since 5.24, ``past_key_values=`` before).
 """
 
 from __future__ import annotations
 
+import gc
+import inspect
 import itertools
 import queue
 import random
@@ -121,10 +129,26 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _release(device: str) -> None:
+    """Give a path's GPU memory back when it ends: PyTorch's allocator would otherwise keep it reserved,
+    and the next path (the engine sizes its KV cache from ``torch.cuda.mem_get_info``) would find less
+    free memory than this one did. Nothing to do on a CPU."""
+    if device.startswith("cuda"):
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 # ---- workload ------------------------------------------------------------------------------------
 
 
-def workload(loaded: LoadedModel, n: int, seed: int, *, random_ids: bool = False) -> list[BenchRequest]:
+def workload(
+    loaded: LoadedModel, n: int, seed: int, *, random_ids: bool = False, max_tokens: int | None = None
+) -> list[BenchRequest]:
+    """``n`` requests; ``max_tokens`` caps each output length (drawn from OUT_MIN-OUT_MAX as without a
+    cap, so the prompts and the uncapped lengths stay those of the full workload)."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    cap = OUT_MAX if max_tokens is None else max_tokens
     rng = random.Random(seed)
     reqs = []
     for i in range(n):
@@ -135,7 +159,7 @@ def workload(loaded: LoadedModel, n: int, seed: int, *, random_ids: bool = False
             ids = [rng.randrange(3, loaded.model.config.vocab_size) for _ in range(rng.randint(30, 150))]
         else:
             ids = loaded.encode_chat([{"role": "user", "content": content}])
-        reqs.append(BenchRequest(f"r{i}", ids, rng.randint(OUT_MIN, OUT_MAX)))
+        reqs.append(BenchRequest(f"r{i}", ids, min(cap, rng.randint(OUT_MIN, OUT_MAX))))
     return reqs
 
 
@@ -163,8 +187,17 @@ def _left_pad(reqs: Sequence[BenchRequest], pad: int, device: str) -> tuple[torc
 
 
 def run_padded_loop(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResult:
-    _padded_loop(loaded, warmup_requests(reqs))
-    return _padded_loop(loaded, reqs)
+    try:
+        _padded_loop(loaded, warmup_requests(reqs))
+        return _padded_loop(loaded, reqs)
+    finally:
+        _release(loaded.device)
+
+
+def _cache_kw(model: Any) -> str:
+    """The name under which this transformers' forward takes and returns the KV cache: ``cache`` since
+    5.24 (the version this project pins), ``past_key_values`` before (what a GPU image may carry)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @torch.inference_mode()
@@ -178,10 +211,11 @@ def _padded_loop(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResul
     t0 = time.perf_counter()
     for r in reqs:
         tm.arrival[r.key] = t0
+    kw = _cache_kw(model)
     cache = DynamicCache(config=model.config)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
-        input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
+        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache}
     )
     for step in range(steps):
         nxt = out.logits[:, -1].argmax(-1)
@@ -194,8 +228,9 @@ def _padded_loop(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResul
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         pos = pos[:, -1:] + 1
+        cache = getattr(out, kw)
         out = model(
-            input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, cache=out.cache, use_cache=True
+            input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, use_cache=True, **{kw: cache}
         )
     seconds = time.perf_counter() - t0
     return tm.result(sum(r.out_len for r in reqs), seconds)
@@ -224,8 +259,11 @@ class _StepTimes:
 
 
 def run_static(loaded: LoadedModel, reqs: Sequence[BenchRequest], batch: int = STATIC_BATCH) -> PathResult:
-    _static(loaded, warmup_requests(reqs), batch)
-    return _static(loaded, reqs, batch)
+    try:
+        _static(loaded, warmup_requests(reqs), batch)
+        return _static(loaded, reqs, batch)
+    finally:
+        _release(loaded.device)
 
 
 @torch.inference_mode()
@@ -256,8 +294,17 @@ def _static(loaded: LoadedModel, reqs: Sequence[BenchRequest], batch: int) -> Pa
 # ---- (c) transformers' continuous batching --------------------------------------------------------
 
 
-@torch.inference_mode()
 def run_hf_cb(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResult:
+    """transformers' own continuous batching, as it sizes itself: on a GPU its paged cache takes 90% of the
+    free memory (given back when it stops, and again by ``_release``)."""
+    try:
+        return _hf_cb(loaded, reqs)
+    finally:
+        _release(loaded.device)
+
+
+@torch.inference_mode()
+def _hf_cb(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> PathResult:
     from transformers import GenerationConfig
 
     model = loaded.model
@@ -323,6 +370,20 @@ def run_engine(
 ) -> PathResult:
     """All requests at once (``arrivals`` None), or each at its offset in seconds from the start.
     ``step_log`` receives every timed step's phase profile."""
+    try:
+        return _engine(loaded, reqs, arrivals=arrivals, engine_kw=engine_kw, step_log=step_log)
+    finally:
+        _release(loaded.device)  # the engine (and its KV cache) is gone by now: its memory goes back
+
+
+def _engine(
+    loaded: LoadedModel,
+    reqs: Sequence[BenchRequest],
+    *,
+    arrivals: Sequence[float] | None,
+    engine_kw: dict[str, Any] | None,
+    step_log: list[StepRecord] | None,
+) -> PathResult:
     engine = BatchingEngine(loaded, **(engine_kw or {}))
     steps: queue.Queue[tuple[float, list[StepOutput]]] = queue.Queue()
     engine.start(lambda outs: steps.put((time.perf_counter(), outs)))
@@ -386,6 +447,13 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 def run_late_join(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> dict[str, float]:
     """TTFT of a request arriving while all the others decode, against its own prefill time (its TTFT
     on an idle engine) plus two decode steps (median step interval just before it arrives)."""
+    try:
+        return _late_join(loaded, reqs)
+    finally:
+        _release(loaded.device)
+
+
+def _late_join(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> dict[str, float]:
     engine = BatchingEngine(loaded)
     steps: queue.Queue[tuple[float, list[StepOutput]]] = queue.Queue()
     engine.start(lambda outs: steps.put((time.perf_counter(), outs)))

@@ -139,6 +139,8 @@ class Connection:
                 self.proto.send(Pong(ts=frame.ts))
         except ProtocolError as exc:
             self.proto.send_error(exc)
+        except ConnectionClosed:
+            return  # the client went away (or was closed as a slow reader) mid-answer: not a failure
         except Exception as exc:  # a bug or a store outage must not take the server down
             self._internal(frame, exc)
 

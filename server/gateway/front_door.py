@@ -16,6 +16,7 @@ WebSocket holds exactly what it held before this layer existed.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -131,19 +132,31 @@ def front_door_factory(
     make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol],
     timeout_s: float,
     select_subprotocol: SelectSubprotocol | None = None,
+    on_open: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
     """A ``create_connection`` for :func:`websockets.asyncio.server.serve` that puts a
     :class:`FrontDoor` before websockets' own connection. ``select_subprotocol``: websockets' hook of
     that name, given the connection (websockets' own closure expects its connection to be the protocol
-    it created, which the front door is not, so the hook is installed here instead)."""
+    it created, which the front door is not, so the hook is installed here instead). ``on_open`` is
+    told of every new TCP connection (the gateway's churn collector counts them)."""
 
     def create_connection(protocol: ServerProtocol, server: Server, **kwargs: Any) -> FrontDoor:
         def make_ws() -> asyncio.Protocol:
             conn = ServerConnection(protocol, server, **kwargs)
             if select_subprotocol is not None:
-                protocol.select_subprotocol = lambda offered: select_subprotocol(conn, offered)  # type: ignore[method-assign,assignment]
+                # A weak reference: the connection holds the protocol, and a hook holding the connection
+                # would make every closed connection a reference cycle, freed only by a full collection.
+                ref = weakref.ref(conn)
+
+                def select(offered: Sequence[Subprotocol]) -> Subprotocol | None:
+                    c = ref()
+                    return None if c is None else select_subprotocol(c, offered)
+
+                protocol.select_subprotocol = select  # type: ignore[method-assign,assignment]
             return conn
 
+        if on_open is not None:
+            on_open()
         return FrontDoor(make_ws, make_http, timeout_s)
 
     return create_connection

@@ -154,6 +154,14 @@ class HttpConnection(asyncio.Protocol):
         if self.registry is not None:
             self.registry.add(self)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="http-connection")
+        self._task.add_done_callback(self._ran)
+
+    def _ran(self, task: asyncio.Task[None]) -> None:
+        # A finished task that ended in an exception holds its traceback, whose frames hold this
+        # connection (and its buffers, up to a 1 MiB body): a reference cycle a full collection would be
+        # needed to free. Forget the task once it is done, so a closed connection is freed at once.
+        if self._task is task:
+            self._task = None
 
     def data_received(self, data: bytes) -> None:
         if self._discard:

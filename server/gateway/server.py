@@ -33,6 +33,7 @@ from server.gateway.openai_responses_ws import ResponsesSocket
 from server.gateway.settings import GatewaySettings
 from server.gateway.static import static_response
 from server.gateway.ui_config import content_security_policy, ui_config
+from server.gctune import ChurnCollector
 from server.metrics import MetricsServer, serve_metrics
 from server.store.logs import RedisClient
 from server.store.requests import RequestStore
@@ -80,6 +81,9 @@ class Gateway:
         self.routes = self._routes()
         self.metrics_server: MetricsServer | None = None
         self._health_task: asyncio.Task[None] | None = None
+        # Full collections after connection churn (gctune.py): closed connections' garbage goes back.
+        self.collector = ChurnCollector()
+        self._collector_task: asyncio.Task[None] | None = None
         self.store_reachable = True  # the store answered its last ping (/readyz fails while it does not)
         self.model_name: str | None = None  # shown by the UI when this process knows it (serve)
         # A live worker (or this process) serves the default model: /readyz's body says when none does.
@@ -259,12 +263,16 @@ class Gateway:
             compression=None,  # per-message deflate costs CPU and memory per socket for ~20-byte frames
             # Every connection's first request line picks websockets or the HTTP API (front_door.py).
             create_connection=front_door_factory(
-                lambda _ws: self.http.connection(), open_timeout_s, self._select_subprotocol
+                lambda _ws: self.http.connection(),
+                open_timeout_s,
+                self._select_subprotocol,
+                self.collector.connection_opened,
             ),  # type: ignore[arg-type]
             open_timeout=open_timeout_s,
         )
         self.core.start()
         self._health_task = asyncio.create_task(self._health_loop(), name="gateway-store-health")
+        self._collector_task = asyncio.create_task(self.collector.run(), name="gateway-churn-gc")
         sock = next(iter(self._server.sockets))
         port: int = sock.getsockname()[1]
         log.info("gateway.listening", url=f"ws://{self.settings.host}:{port}{WS_PATH}")
@@ -286,7 +294,7 @@ class Gateway:
                 return_exceptions=True,
             )
             await self._server.wait_closed()
-        await cancel_and_wait([self._health_task])
+        await cancel_and_wait([self._health_task, self._collector_task])
         await self.core.stop()
         if self.metrics_server is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.metrics_server.stop)

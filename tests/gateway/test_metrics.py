@@ -64,8 +64,8 @@ async def test_metrics_parse_and_move(server: Running) -> None:
         assert (name, ()) in after
     # The process's own resident memory (prometheus-client's standard process collector), what an
     # operator watches for the one copy of the weights the engine keeps.
-    with open("/proc/self/status") as f:
-        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    status = await loop.run_in_executor(None, Path("/proc/self/status").read_text)
+    rss = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
     assert 0.5 * rss < after[("process_resident_memory_bytes", ())] < 2 * rss
 
 

@@ -160,6 +160,8 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             http_request_timeout_s=getattr(args, "http_request_timeout", 30.0),
             max_http_connections=getattr(args, "max_http_connections", 4096),
             max_http_connections_per_peer=getattr(args, "max_http_connections_per_peer", 256),
+            max_ws_connections=getattr(args, "max_ws_connections", 65536),
+            max_ws_connections_per_peer=getattr(args, "max_ws_connections_per_peer", 8192),
             ingress_bytes_per_peer=getattr(args, "ingress_bytes_per_peer", 16 << 20),
         ),
         store=Settings(
@@ -382,6 +384,19 @@ def main(argv: list[str] | None = None) -> int:
             type=int,
             default=256,
             help="HTTP connections from one peer address (default 256; past it: 429)",
+        )
+        a.add_argument(
+            "--max-ws-connections",
+            type=int,
+            default=65536,
+            help="WebSockets this gateway holds at once, both doors (default 65536; past it: 503)",
+        )
+        a.add_argument(
+            "--max-ws-connections-per-peer",
+            type=int,
+            default=8192,
+            help="WebSockets from one peer address (default 8192; past it: 429; 0: no per-peer cap, "
+            "for a gateway behind a proxy)",
         )
         a.add_argument(
             "--ingress-bytes-per-peer",

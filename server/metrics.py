@@ -56,6 +56,11 @@ HTTP_REFUSED = Counter(
     "HTTP connections refused at the door, by reason (gateway or peer cap)",
     ["reason"],
 )
+WS_REFUSED = Counter(
+    "tokenwire_ws_connections_refused_total",
+    "WebSocket handshakes refused by the connection caps, by reason (gateway or peer cap)",
+    ["reason"],
+)
 
 # ---- worker
 RUNNING = Gauge("tokenwire_requests_running", "requests running on this worker's engine")

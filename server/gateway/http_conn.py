@@ -62,7 +62,8 @@ class HttpResponse:
 
 
 class ConnectionCaps:
-    """HTTP connections open on this gateway, in all and per peer address."""
+    """Connections open on this gateway, in all and per peer address (``max_per_peer`` 0: no per-peer
+    cap). The HTTP door holds one, the WebSocket doors another."""
 
     def __init__(self, max_total: int, max_per_peer: int) -> None:
         self.max_total = max_total
@@ -75,7 +76,7 @@ class ConnectionCaps:
         with: 503 (the gateway is full), 429 (this peer holds too many)."""
         if self.total >= self.max_total:
             return 503
-        if self.by_peer.get(peer, 0) >= self.max_per_peer:
+        if self.max_per_peer and self.by_peer.get(peer, 0) >= self.max_per_peer:
             return 429
         self.total += 1
         self.by_peer[peer] = self.by_peer.get(peer, 0) + 1

@@ -29,6 +29,8 @@ from server.gateway.core import GatewayCore
 from server.gateway.front_door import RESPONSES_PATH, front_door_factory
 from server.gateway.http_api import HttpApi
 from server.gateway.http_common import ApiError, caller_of
+from server.gateway.http_conn import ConnectionCaps
+from server.gateway.ingress import peer_address
 from server.gateway.openai_responses_ws import ResponsesSocket
 from server.gateway.settings import GatewaySettings
 from server.gateway.static import static_response
@@ -83,6 +85,10 @@ class Gateway:
         self._health_task: asyncio.Task[None] | None = None
         # Full collections after connection churn (gctune.py): closed connections' garbage goes back.
         self.collector = ChurnCollector()
+        # WebSockets of both doors, counted from the handshake's 101 to the handler's end.
+        self.ws_caps = ConnectionCaps(
+            self.settings.max_ws_connections, self.settings.max_ws_connections_per_peer
+        )
         self._collector_task: asyncio.Task[None] | None = None
         self.store_reachable = True  # the store answered its last ping (/readyz fails while it does not)
         self.model_name: str | None = None  # shown by the UI when this process knows it (serve)
@@ -191,9 +197,36 @@ class Gateway:
             raise NegotiationError("missing subprotocol")
         raise NegotiationError("invalid subprotocol; expected one of " + ", ".join(SUBPROTOCOLS))
 
+    def _count_websocket(self, ws: ServerConnection, request: Request, response: Response) -> Response | None:
+        """After the handshake is accepted and before its 101 goes out: count the WebSocket against the
+        gateway's caps (given back when its handler ends), or refuse it 503 (the gateway is full) / 429
+        (its peer address holds too many), with ``Retry-After``. Counted here, not in process_request,
+        because websockets runs the handler exactly when a 101 was sent, so nothing is counted twice
+        or left counted."""
+        if response.status_code != 101:
+            return None
+        status = self.ws_caps.take(peer_address(ws))
+        if status == 200:
+            return None
+        metrics.WS_REFUSED.labels("gateway" if status == 503 else "peer").inc()
+        text = (
+            "this gateway holds all the WebSockets it may; retry shortly\n"
+            if status == 503
+            else "too many WebSockets from this address; close some or retry shortly\n"
+        )
+        refused = ws.respond(HTTPStatus(status), text)
+        refused.headers["Retry-After"] = "1"
+        return refused
+
     async def _handle(self, ws: ServerConnection) -> None:
         """A WebSocket: /v1/responses is OpenAI's Responses mode, anything else the protocol door; each
         registered so that a drain can close it."""
+        try:
+            await self._serve_websocket(ws)
+        finally:
+            self.ws_caps.give_back(peer_address(ws))
+
+    async def _serve_websocket(self, ws: ServerConnection) -> None:
         if ws.request is not None and ws.request.path.split("?", 1)[0] == RESPONSES_PATH:
             await self._handle_responses(ws)
             return
@@ -252,6 +285,7 @@ class Gateway:
             self.settings.port,
             subprotocols=list(SUBPROTOCOLS),  # type: ignore[arg-type]
             process_request=self._process_request,
+            process_response=self._count_websocket,
             # Browsers send Origin; other clients (apps, scripts) do not, and are allowed (None).
             origins=[*self.settings.allowed_origins, None] if self.settings.allowed_origins else None,  # type: ignore[list-item]
             max_size=self.core.admission.max_frame_bytes,

@@ -52,6 +52,11 @@ class GatewaySettings:
     # HTTP connections this gateway holds at once, and per peer address: past them, 503 / 429 and close.
     max_http_connections: int = 4096
     max_http_connections_per_peer: int = 256
+    # WebSockets (both doors, /v1/ws and /v1/responses, together) this gateway holds at once, and per
+    # peer address (0: no per-peer cap, for a gateway behind a proxy every client shares): past them the
+    # handshake is refused 503 / 429. An idle WebSocket costs tens of KB; one address must not take all.
+    max_ws_connections: int = 65536
+    max_ws_connections_per_peer: int = 8192
     allowed_origins: tuple[str, ...] | None = None  # browser Origins allowed; None: any
     slow_reader_timeout_s: float = 10.0  # a send blocked this long closes the connection (1008)
     response_cache: bool = True  # answer repeated deterministic requests from the store's cache

@@ -115,7 +115,12 @@ class Connection:
                     # A client that stops reading fills the socket buffers and blocks this send; waiting
                     # forever would pile its deltas up in memory. Close it instead: its requests run on
                     # and it can resume them after reconnecting.
-                    await asyncio.wait_for(self.ws.send(data), self.core.settings.slow_reader_timeout_s)
+                    # asyncio.timeout, not wait_for: wait_for runs the send as a task of its own, and
+                    # when the send fails that task's exception, whose traceback holds wait_for's frame,
+                    # which holds the task, is a reference cycle keeping the closed connection (and its
+                    # last frames read) until a full collection.
+                    async with asyncio.timeout(self.core.settings.slow_reader_timeout_s):
+                        await self.ws.send(data)
                 except TimeoutError:
                     self.log.warning("connection.slow_reader_closed")
                     self.ws.transport.abort()
@@ -398,6 +403,9 @@ class Connection:
             grant.release()  # follow() released it too, unless the subscription never started
             if self._attached.get(id) is asyncio.current_task():
                 del self._attached[id]
+            # This frame outlives the task inside a cancelled task's traceback; holding the task there
+            # would make a cycle (task, its CancelledError, this frame) that keeps the connection.
+            del me
 
     async def _finish(self, id: str, end: LogEntry) -> None:
         if end.error_code:

@@ -236,7 +236,8 @@ class ResponsesSocket:
         try:
             # A client that stops reading must not pile its events up here: close it instead (its
             # responses run on and it can resume them).
-            await asyncio.wait_for(self.ws.send(data), self.core.settings.slow_reader_timeout_s)
+            async with asyncio.timeout(self.core.settings.slow_reader_timeout_s):  # see connection.py
+                await self.ws.send(data)
         except TimeoutError:
             self.log.warning("responses_ws.slow_reader_closed")
             self.ws.transport.abort()

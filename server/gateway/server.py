@@ -225,6 +225,12 @@ class Gateway:
             await self._serve_websocket(ws)
         finally:
             self.ws_caps.give_back(peer_address(ws))
+            # websockets keeps the exception that ended its parser (EOFError at a close), whose
+            # traceback holds the parser's frame, which holds the protocol: a cycle keeping the closed
+            # connection's buffers until a full collection. Its traceback is of no use now.
+            exc = getattr(ws.protocol, "parser_exc", None)
+            if exc is not None:
+                exc.__traceback__ = None
 
     async def _serve_websocket(self, ws: ServerConnection) -> None:
         if ws.request is not None and ws.request.path.split("?", 1)[0] == RESPONSES_PATH:

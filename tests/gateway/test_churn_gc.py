@@ -4,10 +4,18 @@ reference cycle through the front door's subprotocol hook."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
 
+import redis.asyncio as aioredis
+
+from protocol import Params
+from server.client import Client
 from server.gctune import ChurnCollector
+from server.store.keys import Keys
+from tests.fakes import FakeEngine
+from tests.gateway.conftest import running_server
 
 
 class _Cycle:
@@ -38,3 +46,33 @@ def test_a_single_new_connection_is_collected_after_the_idle_interval() -> None:
     c.connection_opened()
     assert [c.tick(1.0) for _ in range(5)] == [False, False, False, False, True]
     assert [c.tick(1.0) for _ in range(10)] == [False] * 10  # nothing opened since
+
+
+async def test_a_closed_websocket_is_freed_without_a_full_collection(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """With the collector off, a connection that streamed, was cancelled mid-reply and closed must be
+    freed by reference counting alone: no cycle through the send's timeout, the stream task or the
+    websockets parser's last exception (each held the connection, and its last frames read, until a
+    full collection)."""
+    engine = FakeEngine(step_s=0.05, reply_len=200)  # still streaming when the client goes
+    async with running_server(redis, redis_url, keys, engine=engine) as server:
+        gc.collect()
+        gc.disable()
+        try:
+            c = await Client.connect(server.url)
+            chat = c.chat("a long reply please", id="long-1", params=Params(max_tokens=200))
+            first = await anext(chat)  # accepted: the stream task runs
+            assert first is not None
+            conn = next(iter(server.gateway.connections))
+            ref, ws_ref = weakref.ref(conn), weakref.ref(conn.ws)
+            del conn, first
+            await c.close()
+            for _ in range(100):
+                if ref() is None and ws_ref() is None:
+                    break
+                await asyncio.sleep(0.02)
+            assert ref() is None, "the gateway's Connection outlived its close: a reference cycle holds it"
+            assert ws_ref() is None, "websockets' ServerConnection outlived its close"
+        finally:
+            gc.enable()

@@ -211,31 +211,29 @@ def check_models(cfg: ServeConfig) -> None:
                 )
 
 
+def _glibc_call(name: str, *args: int) -> None:
+    """Call one of glibc's malloc tuning functions; elsewhere (not glibc), nothing."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):
+        getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)(*args)
+
+
 def return_freed_memory_to_the_os() -> None:
     """Make glibc give large freed blocks back to the OS. Its mmap threshold starts at 128 KiB but rises
     to the size of any mmapped block freed, so after the first 1 MiB frame every later one is carved out
     of the heap, and a flood of big frames leaves the process that much larger for good. A fixed
     threshold keeps blocks of 256 KiB and more (frames, bodies, their decoded strings) in mmap, freed at
     once. Elsewhere (not glibc) this does nothing."""
-    import ctypes
-    import ctypes.util
-
     m_mmap_threshold, m_trim_threshold = -3, -1  # mallopt parameters, from glibc's malloc.h
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(m_mmap_threshold, 256 * 1024)
-        libc.mallopt(m_trim_threshold, 1 << 20)
-    except (OSError, AttributeError):
-        pass
+    _glibc_call("mallopt", m_mmap_threshold, 256 * 1024)
+    _glibc_call("mallopt", m_trim_threshold, 1 << 20)
 
 
 def trim_heap() -> None:
     """glibc's ``malloc_trim``: hand the heap's free pages back to the OS (elsewhere, nothing)."""
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    _glibc_call("malloc_trim", 0)
 
 
 async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gateway:

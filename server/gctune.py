@@ -28,12 +28,14 @@ IDLE_INTERVAL_S = 60.0
 class ChurnCollector:
     """Full collections driven by connection churn, which the thresholds above make rare.
 
-    A connection that lived through a young collection is promoted, and when it closes its objects are
-    garbage in an old generation: a closed WebSocket's cycle (connection, protocol, transport, its frame
-    assembler with the last frames read, up to 1 MiB each) waits for a full collection, and with the
-    thresholds above that may not come for hours. Under a flood of reconnecting clients the gateway grew
-    by 200+ MB that way and kept it (``tokenwire load --scenario flood``); one ``gc.collect()`` gave it
-    back. So: a full collection once CHURN_CONNECTIONS connections have opened since the last one (at most
+    A connection that lived through a young collection is promoted, and when it closes, whatever of it
+    sits in a reference cycle is garbage in an old generation that waits for a full collection, and with
+    the thresholds above that may not come for hours. Under a flood of reconnecting clients the gateway
+    grew by 200+ MB that way and kept it (``tokenwire load --scenario flood``); one ``gc.collect()`` gave
+    it back. The cycles found then are broken where they were made (tests/gateway/test_churn_gc.py); this
+    is the backstop for any left (asyncio's transports are cycles by design) or added later.
+
+    So: a full collection once CHURN_CONNECTIONS connections have opened since the last one (at most
     one every MIN_INTERVAL_S), or within IDLE_INTERVAL_S of any. A steady set of long-lived connections
     opens none and is never walked for nothing."""
 

@@ -160,20 +160,19 @@ def roofline(
 ) -> dict[str, Any]:
     """Each decode step (at a row count whose floor was measured) over max(floor, bytes / bandwidth);
     the median, and the bytes of the median step."""
-    over, at = [], []
+    at = []  # (step / its roofline, step, bytes read, roofline)
     for s in steps:
         if s.rows not in floor:
             continue
         nbytes = weights + s.kv_tokens * kv_per_token
         line = max(floor[s.rows], nbytes / bandwidth)
-        over.append(s.seconds / line)
         at.append((s.seconds / line, s, nbytes, line))
-    if not over:
+    if not at:
         return {"step_over_roofline": None}
     at.sort(key=lambda x: x[0])
     _, mid, nbytes, line = at[len(at) // 2]
     return {
-        "step_over_roofline": round(statistics.median(over), 2),
+        "step_over_roofline": round(statistics.median(x[0] for x in at), 2),
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "weight_mb": round(weights / 1e6, 1),
         "median_step": {

@@ -100,6 +100,10 @@ class Connection:
                 task.cancel()
             # A disconnect never cancels a request: it runs on and its log fills for a later resume.
             self._attached.clear()
+            # A cancelled task keeps its CancelledError, whose traceback holds the task's frames, which
+            # hold this connection: holding the last waiting turn here would make that a cycle, keeping
+            # the connection (and the turns' content) until a full collection.
+            self._turn_chain = None
             self.limits.close()
 
     def _no_hello(self) -> None:

@@ -10,7 +10,7 @@ import weakref
 
 import redis.asyncio as aioredis
 
-from protocol import Params
+from protocol import Chat, Params, Waiting
 from server.client import Client
 from server.gctune import ChurnCollector
 from server.store.keys import Keys
@@ -74,5 +74,37 @@ async def test_a_closed_websocket_is_freed_without_a_full_collection(
                 await asyncio.sleep(0.02)
             assert ref() is None, "the gateway's Connection outlived its close: a reference cycle holds it"
             assert ws_ref() is None, "websockets' ServerConnection outlived its close"
+        finally:
+            gc.enable()
+
+
+async def test_a_closed_websocket_with_a_waiting_turn_is_freed_without_a_full_collection(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """A content-mode turn waiting for the previous one is a task cancelled when its connection closes;
+    its CancelledError's traceback holds the connection, so the connection must not hold that task."""
+    engine = FakeEngine(step_s=0.05, reply_len=200)
+    async with running_server(redis, redis_url, keys, engine=engine) as server:
+        gc.collect()
+        gc.disable()
+        try:
+            c = await Client.connect(server.url)
+            await c.send(Chat(id="first", content="a long story", params=Params(max_tokens=200)))
+            await c.send(Chat(id="second", content="and then?", params=Params(max_tokens=8)))
+            seen: set[str] = set()
+            while "second" not in seen:  # accepted, then waiting (SPEC §4.2)
+                frame = await asyncio.wait_for(c.recv(), 5)
+                if isinstance(frame, Waiting):
+                    seen.add(frame.id)
+            conn = next(iter(server.gateway.connections))
+            assert conn._waiting, "the second turn should be waiting"
+            ref = weakref.ref(conn)
+            del conn, frame
+            await c.close()
+            for _ in range(100):
+                if ref() is None:
+                    break
+                await asyncio.sleep(0.02)
+            assert ref() is None, "the Connection outlived its close: its waiting turn's task holds it"
         finally:
             gc.enable()

@@ -139,6 +139,10 @@ class Grant:
     def waiting(self) -> bool:
         return self._waiting
 
+    def _begin_wait(self, ask: Ask) -> None:
+        self.ask = ask
+        self._waiting = True
+
     def end_wait(self) -> None:
         """The turn's wait is over (it is about to be submitted, or dropped): free its waiting slot."""
         if self._waiting:
@@ -273,16 +277,34 @@ class Admission:
             what = "chats" if ask.kind == "chat" else "resumes"
             raise limited(ask.id, f"too many {what} for this user", wait)
 
+    def start_wait(self, grant: Grant) -> None:
+        """A granted turn that must wait after all: its session's previous turn was found unfinished, or
+        another turn was accepted, between admission and submit. It takes a waiting slot as if it had
+        waited from the start, or raises as :meth:`admit` would (the grant is still the caller's)."""
+        if grant.waiting:
+            return
+        ask = replace(grant.ask, waits=True)
+        try:
+            self._check_waiting(ask)
+        except ProtocolError as exc:
+            metrics.ADMISSION.labels(ask.kind, exc.code.value).inc()
+            raise
+        self._take_wait(ask)
+        grant._begin_wait(ask)
+
     def _take(self, ask: Ask) -> Grant:
         if ask.stream:
             if ask.conn is not None:
                 ask.conn.streams[ask.id] = ask.conn.streams.get(ask.id, 0) + 1
             self.streams_by_owner[ask.owner] = self.streams_by_owner.get(ask.owner, 0) + 1
         if ask.waits:
-            self.waiting_by_session[ask.session] = self.waiting_by_session.get(ask.session, 0) + 1
-            self.waiting_bytes += ask.held_bytes
-            metrics.WAITING_TURNS.inc()
+            self._take_wait(ask)
         return Grant(self, ask, _MINT)
+
+    def _take_wait(self, ask: Ask) -> None:
+        self.waiting_by_session[ask.session] = self.waiting_by_session.get(ask.session, 0) + 1
+        self.waiting_bytes += ask.held_bytes
+        metrics.WAITING_TURNS.inc()
 
     def _end_wait(self, ask: Ask) -> None:
         _decrement(self.waiting_by_session, ask.session)

@@ -197,8 +197,16 @@ class Connection:
         ask = self._ask("chat", chat.id, held_bytes=held, text_bytes=text)
         grant = await self.core.admission.admit(ask, waits=waits)
         if not grant.waiting:
-            await self._chat(chat, grant)
-            return
+            if await self._chat(chat, grant, wait=False):
+                return
+            # Another turn of the session came first after all (sent meanwhile on another connection or
+            # gateway): this one waits too, off the read loop, holding a waiting slot like any other.
+            try:
+                self.core.admission.start_wait(grant)
+            except BaseException:
+                grant.release()
+                raise
+            after.clear()
         # Its session's previous turn is still running: this one waits for it without holding up this
         # connection's other frames; turns sent on this connection are accepted in the order sent.
         self.proto.send(Waiting(id=chat.id, after=after[0] if after else None))
@@ -280,14 +288,21 @@ class Connection:
                 # Up to 256 points, each a store lookup or two: answer as they come, not all at the end.
                 await self._flush()
 
-    async def _chat(self, chat: Chat, grant: Grant) -> None:
-        """Submit an admitted chat and attach its stream; the grant goes to the stream, or is released."""
+    async def _chat(self, chat: Chat, grant: Grant, *, wait: bool = True) -> bool:
+        """Submit an admitted chat and attach its stream; the grant goes to the stream, or is released.
+        ``wait`` False (called from the read loop): a content turn whose session's previous turn is
+        unfinished is not waited for here; False is returned and the grant stays the caller's."""
         try:
             while True:
                 user_message = None
                 turn_after: str | None = None
                 if chat.content is not None:
-                    turn_after = await self._wait_previous_turn(chat.id)
+                    if wait:
+                        turn_after = await self._wait_previous_turn(chat.id)
+                    else:
+                        turn_after, pending = await self._previous_turn(chat.id)
+                        if pending:
+                            return False
                     grant.end_wait()  # its content now goes to the store
                     user_message = {"role": "user", "content": chat.content}
                     messages = [*await self.core.sessions.history(self.session, self.owner), user_message]
@@ -309,6 +324,8 @@ class Connection:
                 # wait for that one too.
                 if sub.result.outcome != "turn_moved":
                     break
+                if not wait:
+                    return False
         except BaseException:
             grant.release()
             raise
@@ -318,6 +335,7 @@ class Connection:
         )
         self.proto.send(Accepted(id=chat.id, epoch=res.epoch, state=res.state, model=sub.model))
         self._attach(chat.id, 0, grant, model=sub.model if res.outcome == "new" else None)
+        return True
 
     async def _resume(self, id: str, offset: int, epoch: int | None) -> None:
         metrics.RESUMES.inc()

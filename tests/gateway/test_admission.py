@@ -18,9 +18,11 @@ from protocol import (
     Chat,
     Done,
     Error,
+    ErrorCode,
     Hello,
     Message,
     Params,
+    ProtocolError,
     Resume,
     ResumePoint,
     ServerFrame,
@@ -309,3 +311,30 @@ async def test_chat_text_is_rated_in_bytes_per_connection_and_per_http_owner(
         second = await _http(server.port, "POST", "/v1/chat/completions", raw)
         assert first[0] == 200 and second[0] == 429
         assert "text" in json.loads(second[2])["error"]["message"]
+
+
+class _NoRates:
+    """The store as admission sees it, with every owner under their rate."""
+
+    async def rate(self, owner: str, kind: str, limit: float) -> int:
+        return 0
+
+
+async def test_a_grant_that_must_wait_after_all_takes_a_waiting_slot_within_the_cap() -> None:
+    """start_wait: a turn admitted as not waiting that finds, at submit time, another turn ahead of it
+    counts as waiting from then on, and is refused once its session has the most turns waiting."""
+    adm = Admission(GatewaySettings(max_waiting_turns_per_session=1), _NoRates())  # type: ignore[arg-type]
+    conn = adm.connection("10.0.0.1")
+    ask = Ask("chat", "o", "t1", conn=conn, session="s", held_bytes=10)
+    first, second = await adm.admit(ask), await adm.admit(Ask("chat", "o", "t2", conn=conn, session="s"))
+    adm.start_wait(first)
+    assert first.waiting and adm.waiting_by_session == {"s": 1} and adm.waiting_bytes == 10
+    adm.start_wait(first)  # already waiting: nothing more is taken
+    assert adm.waiting_by_session == {"s": 1}
+    with pytest.raises(ProtocolError) as refused:
+        adm.start_wait(second)
+    assert refused.value.code is ErrorCode.RATE_LIMITED and refused.value.retry_after_ms
+    assert not second.waiting
+    first.release()
+    second.release()
+    assert adm.waiting_by_session == {} and adm.waiting_bytes == 0 and conn.count() == 0

@@ -4,8 +4,13 @@ same history and the earlier turn was left out of the later one's conversation."
 
 from __future__ import annotations
 
-from protocol import Accepted, Chat, Delta, Done, Params, Ping, Pong
+import asyncio
+
+import pytest
+
+from protocol import Accepted, Cancel, Chat, Delta, Done, Params, Ping, Pong
 from server.client import Client
+from server.gateway.connection import Connection
 from tests.gateway.conftest import Running
 
 
@@ -57,3 +62,48 @@ async def test_turns_of_one_session_on_two_connections_each_see_the_previous(ser
     await b.close()
     # Whichever was accepted second saw the first one's turn.
     assert sorted(t.split(" ")[0] for t in texts.values()) == ["re[1]", "re[3]"]
+
+
+async def test_a_turn_overtaken_after_admission_waits_off_the_read_loop(
+    server: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admission found the session's previous turn finished, but by submit time another connection's
+    turn was running (the race, forced here by hiding that turn from admission's look). The turn must
+    then wait like any other, answered ``waiting`` at once, and the connection's read loop must go on:
+    before, it polled for the other turn inline, and a ping went unanswered for that turn's whole reply."""
+    server.engine.step_s = 0.05
+    server.engine.reply_len = 1000
+    a = await Client.connect(server.url)
+    assert a.welcome is not None
+    b = await Client.connect(server.url, session_token=a.welcome.session_token)
+    await a.send(Chat(id="long", content="a long story", params=Params(max_tokens=200)))
+    async for f in a.frames_for("long"):
+        if isinstance(f, Delta):
+            break  # running, and far from done (200 tokens at 20 a second)
+
+    real = Connection._previous_turn
+    hidden = {"n": 0}
+
+    async def overtaken(self: Connection, id: str) -> tuple[str, bool]:
+        prev, pending = await real(self, id)
+        if id == "late" and hidden["n"] == 0:
+            hidden["n"] += 1
+            return prev, False  # admission's look: it sees nothing running
+        return prev, pending
+
+    monkeypatch.setattr(Connection, "_previous_turn", overtaken)
+    await b.send(Chat(id="late", content="and then?", params=Params(max_tokens=4)))
+    await b.send(Ping(ts=9))
+    seen: list[str] = []
+    async with asyncio.timeout(5):  # the long turn has ~9 s to go
+        while "pong" not in seen:
+            f = await b.recv()
+            seen.append("pong" if isinstance(f, Pong) else f"{f.type}:{getattr(f, 'id', '')}")
+    assert seen == ["waiting:late", "pong"]
+    assert server.gateway.core.admission.waiting_by_session  # it holds a waiting slot
+    await a.send(Cancel(id="long"))
+    kinds = [f.type async for f in b.frames_for("late")]
+    assert kinds[0] == "accepted" and kinds[-1] == "done"
+    assert not server.gateway.core.admission.waiting_by_session
+    await a.close()
+    await b.close()

@@ -1,8 +1,9 @@
 """The one admission step every door takes when a frame or request arrives, before it holds anything.
 
 A door (the WebSocket protocol, HTTP chat completions, the Responses API over HTTP or WebSocket) asks
-:meth:`Admission.admit` once per ``chat`` or resume, before it creates a task, keeps a buffer beyond the
-frame it read, subscribes to a log or writes to the store. The answer is a :class:`Grant` or a
+:meth:`Admission.admit` once per ``chat``, resume (a retrieve over HTTP is one) or cancel, before it
+creates a task, keeps a buffer beyond the frame it read, subscribes to a log, reads one or writes to the
+store. The answer is a :class:`Grant` or a
 ``ProtocolError`` (``rate_limited`` / ``overloaded`` with ``retry_after_ms``), which the door sends at
 once: nothing waits to be refused.
 
@@ -14,12 +15,14 @@ content, until the door releases it; releasing is idempotent.
 
 What is checked, cheapest first (SPEC.md §6):
 
-1. the connection's token bucket for chats or resumes (WebSocket doors), and for the bytes of chat text
-   (per connection; per owner on this gateway for HTTP);
+1. the connection's token bucket for chats, resumes or cancels (WebSocket doors; for HTTP, resumes and
+   cancels per owner on this gateway), and for the bytes of chat text (per connection; per owner on this
+   gateway for HTTP);
 2. streams attached or reserved on the connection (``max_streams``) and for the owner on this gateway;
 3. for a waiting turn: turns waiting in its session, waiting bytes on this gateway, and the queue depth
    (a turn that would be refused ``overloaded`` once its wait ends is refused now);
-4. the owner's rate across all gateways (a counter in the store: the one write admission makes).
+4. the owner's rate of chats or resumes across all gateways (a counter in the store: the one write
+   admission makes; a cancel is rated locally only, as it costs the store no more than that counter).
 
 Frame and body sizes are checked where the bytes are read (websockets' ``max_size``, the HTTP door's
 ``max_body``), from the same settings (:attr:`Admission.max_frame_bytes`).
@@ -38,7 +41,7 @@ from server.gateway.ingress import Ingress, Pace
 from server.gateway.settings import GatewaySettings
 from server.store.requests import RequestStore
 
-Kind = Literal["chat", "resume"]
+Kind = Literal["chat", "resume", "cancel"]
 
 
 @dataclass(slots=True)
@@ -63,6 +66,26 @@ class TokenBucket:
             self.tokens -= cost
             return 0
         return max(1, int((need - self.tokens) / self.rate * 1000))
+
+
+_PLURAL = {"chat": "chats", "resume": "resumes", "cancel": "cancels"}
+
+
+class _Buckets:
+    """Owner -> bucket, made by ``make`` on first use; bounded: past 10,000 owners the oldest is
+    forgotten (and starts full again)."""
+
+    def __init__(self, make: Callable[[], TokenBucket]) -> None:
+        self.make = make
+        self.buckets: dict[str, TokenBucket] = {}
+
+    def of(self, owner: str) -> TokenBucket:
+        bucket = self.buckets.get(owner)
+        if bucket is None:
+            bucket = self.buckets[owner] = self.make()
+            if len(self.buckets) > 10_000:
+                self.buckets.pop(next(iter(self.buckets)))
+        return bucket
 
 
 def limited(id: str | None, what: str, retry_after_ms: int) -> ProtocolError:
@@ -91,6 +114,9 @@ class ConnectionLimits:
         # Every byte read, frames of any kind: paced rather than refused (ingress.py).
         self.ingress = ingress
         self.streams: dict[str, int] = {}  # id -> grants holding a stream of it on this connection
+
+    def bucket(self, kind: Kind) -> TokenBucket:
+        return self.chats if kind == "chat" else self.resumes if kind == "resume" else self.cancels
 
     def count(self) -> int:
         return len(self.streams)
@@ -175,7 +201,15 @@ class Admission:
         self.streams_by_owner: dict[str, int] = {}
         self.waiting_by_session: dict[str, int] = {}
         self.waiting_bytes = 0
-        self.bytes_by_owner: dict[str, TokenBucket] = {}  # HTTP callers' chat text per second
+        # HTTP callers' rates on this gateway, by what is rated (chat text bytes, resumes, cancels).
+        bytes_rate = float(settings.chat_bytes_per_connection)
+        burst = float(settings.max_streams_per_connection)
+        rrate, crate = settings.resume_rate_per_connection, settings.cancel_rate_per_connection
+        self.by_owner: dict[str, _Buckets] = {
+            "bytes": _Buckets(lambda: TokenBucket(rate=bytes_rate, burst=2 * bytes_rate)),
+            "resume": _Buckets(lambda: TokenBucket(rate=rrate, burst=max(2 * rrate, burst))),
+            "cancel": _Buckets(lambda: TokenBucket(rate=crate, burst=max(2 * crate, burst))),
+        }
         self.ingress = Ingress(
             per_connection=2.0 * settings.chat_bytes_per_connection,
             per_peer=float(settings.ingress_bytes_per_peer),
@@ -218,10 +252,9 @@ class Admission:
         st = self.settings
         conn = ask.conn
         if conn is not None:
-            wait = (conn.chats if ask.kind == "chat" else conn.resumes).take()
+            wait = conn.bucket(ask.kind).take()
             if wait:
-                what = "chats" if ask.kind == "chat" else "resumes"
-                raise limited(ask.id, f"too many {what} on this connection", wait)
+                raise limited(ask.id, f"too many {_PLURAL[ask.kind]} on this connection", wait)
             if ask.text_bytes:
                 wait = conn.chat_bytes.take(ask.text_bytes)
                 if wait:
@@ -230,17 +263,18 @@ class Admission:
             # A new chat/resume of an id already streaming here replaces that stream (SPEC §8.9).
             if ask.stream and conn.count() >= cap and ask.id not in conn.streams:
                 raise limited(ask.id, f"at most {cap} streams per connection", 1000)
-        elif ask.text_bytes:
-            # Doors without a connection of their own (HTTP): the owner's share of this gateway.
-            bucket = self.bytes_by_owner.get(ask.owner)
-            if bucket is None:
-                rate = float(st.chat_bytes_per_connection)
-                bucket = self.bytes_by_owner[ask.owner] = TokenBucket(rate=rate, burst=2 * rate)
-                if len(self.bytes_by_owner) > 10_000:  # bounded: forget the oldest owners
-                    self.bytes_by_owner.pop(next(iter(self.bytes_by_owner)))
-            wait = bucket.take(ask.text_bytes)
-            if wait:
-                raise limited(ask.id, "too much chat text for this user", wait)
+        else:
+            # Doors without a connection of their own (HTTP): the owner's share of this gateway. A
+            # retrieve reads a whole log and a cancel runs a store script: each is rated like a
+            # connection's (chats are rated across gateways, in _check_shared).
+            if ask.kind != "chat":
+                wait = self.by_owner[ask.kind].of(ask.owner).take()
+                if wait:
+                    raise limited(ask.id, f"too many {_PLURAL[ask.kind]} for this user", wait)
+            if ask.text_bytes:
+                wait = self.by_owner["bytes"].of(ask.owner).take(ask.text_bytes)
+                if wait:
+                    raise limited(ask.id, "too much chat text for this user", wait)
         if ask.stream and self.streams_by_owner.get(ask.owner, 0) >= st.max_streams_per_user:
             raise limited(ask.id, f"at most {st.max_streams_per_user} streams per user on this server", 1000)
         self._check_waiting(ask)
@@ -260,6 +294,8 @@ class Admission:
                 )
 
     async def _check_shared(self, ask: Ask) -> None:
+        if ask.kind == "cancel":
+            return
         st = self.settings
         if ask.waits and self._queued is not None and self.store.settings.max_queued:
             # A waiting turn is held until its wait ends; one the queue would refuse is refused now.
@@ -274,8 +310,7 @@ class Admission:
         limit = st.chat_rate_per_user if ask.kind == "chat" else st.resume_rate_per_user
         wait = await self.store.rate(ask.owner, ask.kind, limit)
         if wait:
-            what = "chats" if ask.kind == "chat" else "resumes"
-            raise limited(ask.id, f"too many {what} for this user", wait)
+            raise limited(ask.id, f"too many {_PLURAL[ask.kind]} for this user", wait)
 
     def start_wait(self, grant: Grant) -> None:
         """A granted turn that must wait after all: its session's previous turn was found unfinished, or

@@ -39,7 +39,7 @@ from protocol import (
 )
 from protocol.connection import ServerConnection
 from server import metrics
-from server.gateway.admission import Ask, Grant, Kind, limited
+from server.gateway.admission import Ask, Grant, Kind
 from server.gateway.auth import authenticate_user
 from server.gateway.core import GatewayCore
 from server.gateway.ingress import pace, peer_address
@@ -365,9 +365,9 @@ class Connection:
         self._attach(id, offset, grant)
 
     async def _cancel(self, frame: Cancel) -> None:
-        wait = self.limits.cancels.take()
-        if wait:  # checked before the store is asked anything (SPEC §6)
-            raise limited(frame.id, "too many cancels on this connection", wait)
+        # Admitted before the store is asked anything (SPEC §6); a cancel holds nothing afterwards.
+        ask = Ask("cancel", self.owner, frame.id, conn=self.limits, session=self.session, stream=False)
+        (await self.core.admission.admit(ask)).release()
         before = await self.core.store.cancel(self.owner, frame.id)
         if before is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=frame.id)

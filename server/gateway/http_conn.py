@@ -5,6 +5,9 @@ One request at a time per connection (keep-alive, no pipelining in parallel). A 
 chunked transfer coding and flow control. When the client goes away the handler's task is cancelled,
 so a handler learns about a dropped connection as a ``CancelledError`` at its current ``await`` (and
 decides there whether the generation goes on). Bodies past ``max_body`` get 413 and the connection closes.
+What a client sends while its response is written (a pipelined next request) is read up to one
+request's worth (``max_body`` and headers); past that reading pauses until the response is done, and TCP
+pushes back, so a streamed response cannot be used to pile a client's bytes up in h11's buffer.
 
 Time limits: a kept-alive connection with no request for ``idle_timeout_s`` is closed; a request's
 headers and body must all arrive within ``request_timeout_s`` of its first byte (a body trickled a byte
@@ -135,6 +138,9 @@ class HttpConnection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._discard = False  # after refusing a body: read and drop the rest (see _linger)
+        self._reading = True  # a request is being read; False while its response is written
+        self._ahead = 0  # bytes received (pipelined) since the request being answered was read
+        self._held = False  # reading paused until the next request is read: _ahead passed its cap
 
     # ---- asyncio protocol ------------------------------------------------------------------------
 
@@ -171,6 +177,11 @@ class HttpConnection(asyncio.Protocol):
         with contextlib.suppress(h11.RemoteProtocolError):  # surfaces from next_event() in _run
             self.h11.receive_data(data)
         self._data.set()
+        if not self._reading:
+            self._ahead += len(data)
+            if self._ahead > self.max_body + 64 * 1024 and not self._held and self.transport is not None:
+                self._held = True
+                self.transport.pause_reading()
 
     def _pace(self, n: int) -> None:
         if self._pace_of is None:
@@ -183,7 +194,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _unpause(self) -> None:
         self._paused = False
-        if self.transport is not None and not self._closed:
+        if self.transport is not None and not self._closed and not self._held:
             self.transport.resume_reading()
 
     def eof_received(self) -> bool | None:
@@ -289,6 +300,11 @@ class HttpConnection(asyncio.Protocol):
     async def _read_request(self) -> HttpRequest | None:
         """The next request, or None when the connection closed or stayed idle for ``idle_timeout_s``.
         Raises TimeoutError past ``request_timeout_s`` from the request's first byte."""
+        self._reading, self._ahead = True, 0
+        if self._held:
+            self._held = False
+            if self.transport is not None and not self._closed and not self._paused:
+                self.transport.resume_reading()
         try:
             async with asyncio.timeout(self.idle_timeout_s):
                 # h11 holds what arrived but was not parsed yet: nothing there means idle.
@@ -323,6 +339,7 @@ class HttpConnection(asyncio.Protocol):
                     raise _TooLarge()
                 chunks.append(bytes(ev.data))
             elif isinstance(ev, h11.EndOfMessage):
+                self._reading = False  # what arrives from now on is the next request's
                 break
             else:
                 return None  # closed mid-body
@@ -374,7 +391,9 @@ class HttpConnection(asyncio.Protocol):
         if not self._writable.is_set():
             try:
                 # A client that stops reading must not pile chunks up in memory: close it instead.
-                await asyncio.wait_for(self._writable.wait(), self.write_timeout_s)
+                # (asyncio.timeout, not wait_for: see connection.py's send.)
+                async with asyncio.timeout(self.write_timeout_s):
+                    await self._writable.wait()
             except TimeoutError:
                 self.transport.abort()
                 raise asyncio.CancelledError from None

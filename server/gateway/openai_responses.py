@@ -93,21 +93,26 @@ class Responses:
             if not raw.isdigit() or len(raw) > 12:
                 raise bad("starting_after: a non-negative integer", param="starting_after")
             after = int(raw)
-        view = await find_response(self.api, caller, rid)
-        if stream == "false":
-            return json_response(self._object(rid, view))
-        info = view.info
+        # A retrieve reads the whole log: admitted as a resume before the store is asked anything.
+        grant = await self.api.admit(caller, rid[len(PREFIX) :], kind="resume", stream=stream == "true")
         try:
-            resume_point(
-                after,
-                info.completion_tokens,
-                info.state in FINAL_STATES,
-                info.state == "done",
-            )
-        except ValueError as exc:
-            raise bad(f"starting_after: {exc}", param="starting_after") from None
+            view = await find_response(self.api, caller, rid)
+            if stream == "false":
+                return json_response(self._object(rid, view))
+            info = view.info
+            try:
+                resume_point(
+                    after,
+                    info.completion_tokens,
+                    info.state in FINAL_STATES,
+                    info.state == "done",
+                )
+            except ValueError as exc:
+                raise bad(f"starting_after: {exc}", param="starting_after") from None
+        except BaseException:
+            grant.release()
+            raise
         background = bool(view.payload.get("background"))
-        grant = await self.api.admit(caller, rid[len(PREFIX) :], kind="resume")
         events = self._events(grant, caller, rid, after, background)
         resp = HttpResponse(200, list(SSE_HEADERS), stream=events)
         resp.on_close.append(grant.release)  # if the stream never starts
@@ -115,6 +120,7 @@ class Responses:
 
     async def cancel(self, req: HttpRequest, caller: Caller, args: dict[str, str]) -> HttpResponse:
         rid = args["id"]
+        (await self.api.admit(caller, rid[len(PREFIX) :], kind="cancel", stream=False)).release()
         await find_response(self.api, caller, rid)
         await self.api.cancel(caller.owner, rid[len(PREFIX) :])  # idempotent: an ended one is unchanged
         return json_response(self._object(rid, await find_response(self.api, caller, rid)))

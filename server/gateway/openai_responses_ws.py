@@ -123,7 +123,7 @@ class ResponsesSocket:
         self._check_lane_free(lane)
         id = secrets.token_hex(12)
         try:
-            plan = await plan_create(self.api, self.caller, body, id, local=self.warm)
+            plan = await plan_create(self.api, self.caller, body, id, local=self.warm, conn=self.limits)
         except ApiError as exc:
             if exc.code == "not_found":  # the only lookup a create makes
                 raise ApiError(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol import Chat
+from server.gateway.admission import ConnectionLimits
 from server.gateway.http_common import (
     ApiError,
     Caller,
@@ -127,9 +128,11 @@ async def plan_create(
     id: str,
     *,
     local: Mapping[str, list[dict[str, str]]] | None = None,
+    conn: ConnectionLimits | None = None,
 ) -> CreatePlan:
     """Read a create body into the chat it asks for. ``local``: responses known only to this connection
-    (WebSocket warm-ups) by id, with their conversations. Raises ApiError naming the field."""
+    (WebSocket warm-ups) by id, with their conversations; ``conn``: that connection's limits. Raises
+    ApiError naming the field (or 429 when reading the previous response is not admitted)."""
     check_body(body)
     model = api.check_model(body.get("model"))
     if body.get("input") is None:
@@ -156,6 +159,9 @@ async def plan_create(
         if local is not None and prev_id in local:
             history = list(local[prev_id])  # a warm-up: its conversation, nothing generated
         else:
+            # Reading the previous response reads its whole log: admitted as a resume first (§15.2).
+            read = prev_id[len(PREFIX) :] if prev_id.startswith(PREFIX) else prev_id
+            (await api.admit(caller, read[:64], kind="resume", stream=False, conn=conn)).release()
             prev = await find_response(api, caller, prev_id)
             if prev.info.state != "done":
                 raise bad("previous_response_id: that response has not completed", "previous_response_id")

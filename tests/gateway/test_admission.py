@@ -5,6 +5,7 @@ create, attach or follow anything without going through admission."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 from typing import Any
@@ -200,8 +201,6 @@ class _RefuseAll(Admission):
     asked: list[Ask]
 
     async def admit(self, ask: Ask, **kw: Any) -> Grant:
-        from protocol import ErrorCode, ProtocolError
-
         self.asked = [*getattr(self, "asked", []), ask]
         raise ProtocolError(ErrorCode.RATE_LIMITED, "refused by the test", id=ask.id, retry_after_ms=5)
 
@@ -227,6 +226,8 @@ async def test_every_door_is_refused_when_admission_refuses(
         await c.send(Chat(id="ws-m", messages=(Message("user", "x"),)))
         await c.send(Resume(id="old", offset=0))
         answers = await _answers(c, ["ws-chat", "ws-m", "old"], 3.0)
+        await c.send(Cancel(id="old"))
+        cancelled = await _answers(c, ["old"], 3.0)
         await c.close()
         hello_resume = await Client.connect(server.url, hello=False)
         await hello_resume.send(Hello(session_token=token, resume=(ResumePoint(id="old", offset=0),)))
@@ -245,14 +246,19 @@ async def test_every_door_is_refused_when_admission_refuses(
             await post("/v1/responses", {"model": "default", "input": "hi", "background": True}),
             await post("/v1/responses", {"model": "default", "input": "hi", "stream": True}),
         ]
-        resp_old = await _http(server.port, "GET", "/v1/responses/resp_none?stream=true")
-        for frames in (answers["ws-chat"], answers["ws-m"], answers["old"], hr["old"]):
+        reads = [
+            await _http(server.port, "GET", "/v1/responses/resp_none?stream=true"),
+            await _http(server.port, "GET", "/v1/responses/resp_none"),
+            await _http(server.port, "POST", "/v1/responses/resp_none/cancel"),
+        ]
+        for frames in (answers["ws-chat"], answers["ws-m"], answers["old"], hr["old"], cancelled["old"]):
             assert frames and isinstance(frames[0], Error) and frames[0].code == "rate_limited"
         assert [status for status, _ in results] == [429] * 5
         assert all(body["error"]["code"] == "rate_limited" for _, body in results)
-        assert resp_old[0] == 404  # an unknown response is not found before anything is admitted
+        # Retrieves and cancels are admitted before the response is looked up (so unknown ids too).
+        assert [status for status, _, _ in reads] == [429] * 3
         kinds = sorted(a.kind for a in refuse.asked)
-        assert kinds == ["chat"] * 7 + ["resume"] * 2
+        assert kinds == ["cancel"] * 2 + ["chat"] * 7 + ["resume"] * 4
         # Nothing was created: no new request, log or session history in the store.
         after = set(await redis.keys(f"{keys.prefix}*"))
         new = {k.decode() for k in after - before}
@@ -338,3 +344,37 @@ async def test_a_grant_that_must_wait_after_all_takes_a_waiting_slot_within_the_
     first.release()
     second.release()
     assert adm.waiting_by_session == {} and adm.waiting_bytes == 0 and conn.count() == 0
+
+
+async def test_http_retrieves_and_cancels_are_rated_per_user_before_the_store_is_read(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """A retrieve (or a create's previous_response_id) reads a whole log and a cancel runs a store
+    script: over HTTP each is admitted like a WebSocket resume or cancel, per user on this server (bursts
+    of 2 here), and refused 429 with Retry-After once over. Before, each went to the store unrated."""
+    st = GatewaySettings(
+        port=0, resume_rate_per_connection=0.2, cancel_rate_per_connection=0.2, max_streams_per_connection=2
+    )
+
+    def call(method: str, path: str, body: bytes | None, key: str) -> tuple[int, str, dict[str, Any]]:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        try:  # with auth off, each API key is an owner of its own
+            conn.request(method, path, body=body, headers={"Authorization": f"Bearer {key}"})
+            r = conn.getresponse()
+            return r.status, r.getheader("Retry-After") or "", json.loads(r.read())
+        finally:
+            conn.close()
+
+    async with running_server(redis, redis_url, keys, gateway=st) as server:
+        follow_up = json.dumps({"model": "default", "input": "hi", "previous_response_id": "resp_nope"})
+        for method, path, sent in (
+            ("GET", "/v1/responses/resp_nope", None),
+            ("POST", "/v1/responses/resp_nope/cancel", None),
+            ("POST", "/v1/responses", follow_up.encode()),  # reads the previous response's whole log
+        ):
+            answers = [
+                await asyncio.to_thread(call, method, path, sent, f"key-{method}-{path}") for _ in range(3)
+            ]
+            assert [status for status, _, _ in answers] == [404, 404, 429], (method, path, answers)
+            _, retry_after, body = answers[-1]
+            assert int(retry_after) >= 1 and body["error"]["code"] == "rate_limited"

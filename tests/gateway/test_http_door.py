@@ -190,3 +190,38 @@ async def test_a_stream_whose_touch_fails_leaks_no_subscription_or_attach(server
     assert core.streams.attached == {}
     assert core.admission.streams_by_owner == {}
     assert all(not subs for p in core.streams.reader._parts for subs in p._subs.values())
+
+
+async def test_bytes_pipelined_behind_a_streamed_response_are_read_one_request_ahead_at_most(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """While a response streams, what the client sends next waits in h11's buffer for the next cycle.
+    Before, reading went on regardless, so a client could pile up any number of bytes there behind one
+    slow stream (paced, but never bounded). Now reading pauses one request's worth ahead."""
+    async with running_server(redis, redis_url, keys) as server:
+        server.engine.step_s = 0.05  # the stream lasts ~10 s
+        server.engine.reply_len = 200
+        body = json.dumps(
+            {
+                "model": "default",
+                "stream": True,
+                "max_tokens": 200,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+        ).encode()
+        reader, writer = await _open(server.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert (await _status_line(reader, 5.0)).startswith(b"HTTP/1.1 200")
+        junk = b"x" * (1 << 20)
+        for _ in range(8):  # 8 MiB behind it; the client's transport buffers what the server won't read
+            writer.write(junk)
+        await asyncio.sleep(3.0)  # at the paced 2 MiB/s the old code had read 6 MiB or more by now
+        (conn,) = list(server.gateway.http.connections)
+        buffered = len(conn.h11.trailing_data[0])
+        cap = conn.max_body + 64 * 1024
+        assert buffered <= cap + (1 << 20), f"{buffered} bytes buffered behind the stream (cap {cap})"
+        writer.close()

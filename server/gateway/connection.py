@@ -1,9 +1,9 @@
 """The WebSocket protocol door (``/v1/ws``): one client connection, its session and its streams.
 
 The sans-I/O ``ServerConnection`` decides what frames mean; this class does the asynchronous work each
-frame asks for and writes out what the protocol queued. Every ``chat``, ``resume`` and ``hello.resume``
-point goes through the core's admission step first (admission.py), before a task, a subscription or a
-store write exists for it; a refusal is answered at once.
+frame asks for and writes out what the protocol queued. Every ``chat``, ``resume``, ``hello.resume``
+point and ``cancel`` goes through the core's admission step first (admission.py), before a task, a
+subscription or a store call exists for it; a refusal is answered at once.
 """
 
 from __future__ import annotations

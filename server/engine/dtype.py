@@ -1,16 +1,27 @@
-"""``--dtype auto``: bf16 on CUDA; on CPU, whichever of fp32 and bf16 runs a decode step faster here.
+"""``--dtype auto``: bf16 on CUDA; on CPU, whichever of fp32 and bf16 runs a decode step clearly faster here.
 
 CPUs differ: with AMX or AVX512-BF16 a bf16 step can take half the time of an fp32 one; on a CPU with
-AVX2 only, bf16 GEMMs are emulated and usually slower. So the choice is measured at start: a few decode
-steps of the model itself (32 rows over 128 cached positions, the Llama path the engine runs) in each
-dtype, and the faster one is kept. The choice and both figures are logged.
+AVX2 only, bf16 GEMMs are emulated and usually slower. So the choice is measured: a few decode steps of
+the model itself (32 rows over 128 cached positions, the Llama path the engine runs) in each dtype,
+interleaved (fp32, bf16, fp32, ...) so that a noisy moment hits both, and compared by their medians.
+bf16 is kept only when it is clearly faster (under ``BF16_MARGIN`` of fp32's step); a near tie keeps
+the float default, which is exact. The choice and both figures are logged.
+
+The choice is then remembered (``dtype-choices.json`` in the model cache folder) per CPU model and flags,
+core and thread count, torch version and model, so later starts on the same machine skip the measurement
+(a few seconds); a new machine, torch or model measures again. ``TOKENWIRE_DTYPE_REMEASURE=1`` forces it.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import os
 import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -20,12 +31,18 @@ log = structlog.get_logger(__name__)
 
 MEASURE_ROWS = 32
 MEASURE_CONTEXT = 128
-MEASURE_REPS = 3
+MEASURE_REPS = 5
+BF16_MARGIN = 0.9  # bf16 must take under 90% of fp32's step to be kept
 SMALL_MODEL_PARAMS = 20_000_000  # below this a step is overhead, not matmuls: fp32, nothing to measure
+CHOICES_FILE = "dtype-choices.json"
+MAX_CHOICES = 64  # remembered (machine, torch, model) keys; the oldest go first
 
 
-def decode_step_seconds(model: Any, *, rows: int = MEASURE_ROWS, context: int = MEASURE_CONTEXT) -> float:
-    """Median seconds of a decode step of ``rows`` sequences at position ``context`` - 1."""
+def decode_stepper(
+    model: Any, *, rows: int = MEASURE_ROWS, context: int = MEASURE_CONTEXT
+) -> Callable[[], float]:
+    """A function that runs one decode step of ``rows`` sequences at position ``context`` - 1 and returns
+    its seconds (the first call includes oneDNN creating its primitives: a warm-up)."""
     from server.engine import llama
 
     shape = llama.shape_of(model)
@@ -51,29 +68,102 @@ def decode_step_seconds(model: Any, *, rows: int = MEASURE_ROWS, context: int = 
         prefill=[],
         logits_at=torch.arange(rows),
     )
-    times = []
-    with torch.inference_mode():
-        for i in range(MEASURE_REPS + 1):  # the first is warm-up (oneDNN creates its primitives)
+
+    def step() -> float:
+        with torch.inference_mode():
             t0 = time.perf_counter()
             llama.forward(weights, shape, cache, layout)
-            if i:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            return time.perf_counter() - t0
+
+    return step
 
 
-def pick_cpu_dtype(model: Any) -> tuple[Any, torch.dtype, dict[str, float]]:
-    """Time an fp32 model against a bf16 copy; returns the faster model, its dtype and both step times
-    in ms (empty when nothing was measured: a model too small to matter, or not on the Llama path)."""
+def decode_step_seconds(model: Any, *, rows: int = MEASURE_ROWS, context: int = MEASURE_CONTEXT) -> float:
+    """Median seconds of a decode step of ``rows`` sequences at position ``context`` - 1."""
+    step = decode_stepper(model, rows=rows, context=context)
+    step()  # warm-up
+    return statistics.median(step() for _ in range(MEASURE_REPS))
+
+
+def interleaved_seconds(*models: Any) -> list[float]:
+    """Median decode-step seconds of each model, their steps taken in turn (a warm-up each first)."""
+    steps = [decode_stepper(m) for m in models]
+    for step in steps:
+        step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(MEASURE_REPS):
+        for step, ts in zip(steps, times, strict=True):
+            ts.append(step())
+    return [statistics.median(ts) for ts in times]
+
+
+def pick_cpu_dtype(model: Any, cache_dir: Path | None = None) -> tuple[Any, torch.dtype, dict[str, float]]:
+    """The faster of fp32 and a bf16 copy: returns the model to serve, its dtype and both step times in
+    ms (empty when nothing was measured: a model too small to matter, or not on the Llama path; or
+    ``{"cached": 1.0, ...}`` with the remembered figures when ``cache_dir`` held this machine's choice)."""
     from server.engine import llama
 
     n_params = sum(p.numel() for p in model.parameters())
     if n_params < SMALL_MODEL_PARAMS or llama.unsupported_reason(model) is not None:
         return model, torch.float32, {}
-    fp32_s = decode_step_seconds(model)
+    key = _choice_key(model, n_params)
+    known = _remembered(cache_dir, key)
+    if known is not None:
+        chosen = torch.bfloat16 if known["chosen"] == "bfloat16" else torch.float32
+        served = model.to(torch.bfloat16) if chosen == torch.bfloat16 else model
+        figures = {k: float(known[k]) for k in ("float32_ms", "bfloat16_ms")}
+        return served, chosen, {**figures, "cached": 1.0}
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    bf16_s = decode_step_seconds(bf16)
+    fp32_s, bf16_s = interleaved_seconds(model, bf16)
     figures = {"float32_ms": fp32_s * 1000, "bfloat16_ms": bf16_s * 1000}
-    if bf16_s < fp32_s:
+    keep_bf16 = bf16_s < BF16_MARGIN * fp32_s
+    _remember(cache_dir, key, "bfloat16" if keep_bf16 else "float32", figures)
+    if keep_bf16:
         return bf16, torch.bfloat16, figures
     del bf16
     return model, torch.float32, figures
+
+
+def _choice_key(model: Any, n_params: int) -> str:
+    """What the choice depends on: the CPU (model, flags, cores, threads), torch and the model."""
+    from server.bench.machine import cpu_info
+
+    cpu = cpu_info()
+    config = getattr(model, "config", None)
+    name = str(getattr(config, "_name_or_path", "") or type(model).__name__)
+    parts = [cpu["model"], " ".join(cpu["flags"]), cpu["cores"], cpu["threads"], cpu["torch"], name, n_params]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+
+
+def _remembered(cache_dir: Path | None, key: str) -> dict[str, Any] | None:
+    if cache_dir is None or os.environ.get("TOKENWIRE_DTYPE_REMEASURE") == "1":
+        return None
+    entry = _read(cache_dir).get(key)
+    if isinstance(entry, dict) and entry.get("chosen") in ("float32", "bfloat16"):
+        return entry
+    return None
+
+
+def _remember(cache_dir: Path | None, key: str, chosen: str, figures: dict[str, float]) -> None:
+    if cache_dir is None:
+        return
+    choices = _read(cache_dir)
+    choices.pop(key, None)
+    choices[key] = {"chosen": chosen, **{k: round(v, 2) for k, v in figures.items()}, "at": int(time.time())}
+    while len(choices) > MAX_CHOICES:
+        choices.pop(next(iter(choices)))
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir / f".{CHOICES_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps(choices, indent=1))
+        tmp.replace(cache_dir / CHOICES_FILE)  # atomic: two processes starting at once never see half
+    except OSError as exc:  # a read-only cache folder: measure again next time
+        log.warning("model.dtype_not_remembered", error=str(exc))
+
+
+def _read(cache_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((cache_dir / CHOICES_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -202,7 +202,7 @@ def load_model(
         dtype=torch_dtype,
         load_seconds=0.0,
     )
-    settle_dtype(loaded, dtype)
+    settle_dtype(loaded, dtype, cache_root())
     loaded.load_seconds = time.perf_counter() - t0
     log.info(
         "model.loaded", name=name, device=dev, dtype=str(loaded.dtype), seconds=round(loaded.load_seconds, 2)
@@ -210,9 +210,10 @@ def load_model(
     return loaded
 
 
-def settle_dtype(loaded: LoadedModel, requested: str) -> None:
+def settle_dtype(loaded: LoadedModel, requested: str, cache_dir: Path | None = None) -> None:
     """Apply ``--dtype``: a named dtype as given; ``auto`` keeps bf16 on CUDA and, on CPU, measures fp32
-    against bf16 (dtype.py) and keeps the faster, logging both figures."""
+    against bf16 (dtype.py) and keeps the clearly faster, logging both figures. ``cache_dir``: where the
+    choice is remembered for later starts (None: measured every time)."""
     import torch
 
     if requested != "auto":
@@ -229,14 +230,17 @@ def settle_dtype(loaded: LoadedModel, requested: str) -> None:
         return
     from server.engine.dtype import pick_cpu_dtype
 
-    model, chosen, figures = pick_cpu_dtype(loaded.model)
-    loaded.model, loaded.dtype, loaded.dtype_figures = model, chosen, figures
+    model, chosen, figures = pick_cpu_dtype(loaded.model, cache_dir)
+    loaded.model, loaded.dtype = model, chosen
+    loaded.dtype_figures = {k: v for k, v in figures.items() if k != "cached"}
     name = str(chosen).removeprefix("torch.")
     if figures:
+        how = "remembered for this CPU, torch and model" if figures.get("cached") else "measured now"
         loaded.dtype_note = (
             f"{name} (auto: a 32-row decode step took {figures['float32_ms']:.1f} ms in float32, "
-            f"{figures['bfloat16_ms']:.1f} ms in bfloat16)"
+            f"{figures['bfloat16_ms']:.1f} ms in bfloat16; {how})"
         )
-        log.info("model.dtype_measured", chosen=name, **{k: round(v, 1) for k, v in figures.items()})
+        event = "model.dtype_remembered" if figures.get("cached") else "model.dtype_measured"
+        log.info(event, chosen=name, **{k: round(v, 1) for k, v in loaded.dtype_figures.items()})
     else:
         loaded.dtype_note = f"{name} (auto: model too small or not on the Llama path to measure)"

@@ -311,7 +311,8 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles, index: int = 0) -> Any
         route="" if index == 0 else name,
     )
     await worker.start()
-    print(f"tokenwire ready: model {name} on {loaded.device} (worker {worker.name})", flush=True)
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    print(f"tokenwire ready: model {name} on {loaded.device} in {dtype} (worker {worker.name})", flush=True)
     return worker
 
 

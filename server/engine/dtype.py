@@ -22,7 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 import torch
@@ -78,13 +78,6 @@ def decode_stepper(
     return step
 
 
-def decode_step_seconds(model: Any, *, rows: int = MEASURE_ROWS, context: int = MEASURE_CONTEXT) -> float:
-    """Median seconds of a decode step of ``rows`` sequences at position ``context`` - 1."""
-    step = decode_stepper(model, rows=rows, context=context)
-    step()  # warm-up
-    return statistics.median(step() for _ in range(MEASURE_REPS))
-
-
 def interleaved_seconds(*models: Any) -> list[float]:
     """Median decode-step seconds of each model, their steps taken in turn (a warm-up each first)."""
     steps = [decode_stepper(m) for m in models]
@@ -97,36 +90,42 @@ def interleaved_seconds(*models: Any) -> list[float]:
     return [statistics.median(ts) for ts in times]
 
 
-def pick_cpu_dtype(model: Any, cache_dir: Path | None = None) -> tuple[Any, torch.dtype, dict[str, float]]:
-    """The faster of fp32 and a bf16 copy: returns the model to serve, its dtype and both step times in
-    ms (empty when nothing was measured: a model too small to matter, or not on the Llama path; or
-    ``{"cached": 1.0, ...}`` with the remembered figures when ``cache_dir`` held this machine's choice)."""
+class DtypeChoice(NamedTuple):
+    model: Any  # the model to serve, in ``dtype``
+    dtype: torch.dtype
+    figures: dict[str, float]  # both step times in ms; empty when nothing was measured
+    remembered: bool = False  # the figures are an earlier start's, from the cache folder
+
+
+def pick_cpu_dtype(model: Any, cache_dir: Path | None = None) -> DtypeChoice:
+    """The clearly faster of fp32 and a bf16 copy (nothing is measured for a model too small to matter,
+    or not on the Llama path: fp32), or the choice ``cache_dir`` remembers for this machine."""
     from server.engine import llama
 
     n_params = sum(p.numel() for p in model.parameters())
     if n_params < SMALL_MODEL_PARAMS or llama.unsupported_reason(model) is not None:
-        return model, torch.float32, {}
+        return DtypeChoice(model, torch.float32, {})
     key = _choice_key(model, n_params)
     known = _remembered(cache_dir, key)
     if known is not None:
-        chosen = torch.bfloat16 if known["chosen"] == "bfloat16" else torch.float32
-        served = model.to(torch.bfloat16) if chosen == torch.bfloat16 else model
         figures = {k: float(known[k]) for k in ("float32_ms", "bfloat16_ms")}
-        return served, chosen, {**figures, "cached": 1.0}
+        if known["chosen"] == "bfloat16":
+            return DtypeChoice(model.to(torch.bfloat16), torch.bfloat16, figures, remembered=True)
+        return DtypeChoice(model, torch.float32, figures, remembered=True)
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     fp32_s, bf16_s = interleaved_seconds(model, bf16)
     figures = {"float32_ms": fp32_s * 1000, "bfloat16_ms": bf16_s * 1000}
     keep_bf16 = bf16_s < BF16_MARGIN * fp32_s
     _remember(cache_dir, key, "bfloat16" if keep_bf16 else "float32", figures)
     if keep_bf16:
-        return bf16, torch.bfloat16, figures
+        return DtypeChoice(bf16, torch.bfloat16, figures)
     del bf16
-    return model, torch.float32, figures
+    return DtypeChoice(model, torch.float32, figures)
 
 
 def _choice_key(model: Any, n_params: int) -> str:
     """What the choice depends on: the CPU (model, flags, cores, threads), torch and the model."""
-    from server.bench.machine import cpu_info
+    from server.engine.machine import cpu_info
 
     cpu = cpu_info()
     config = getattr(model, "config", None)

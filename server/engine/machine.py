@@ -1,4 +1,5 @@
-"""What machine a bench ran on: the CPU model and the flags that decide which dtype and kernels are fast."""
+"""What machine this is: the CPU model and the flags that decide which dtype and kernels are fast. The
+bench prints it with every report; ``--dtype auto`` remembers its choice per machine by it."""
 
 from __future__ import annotations
 

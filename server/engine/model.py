@@ -230,17 +230,17 @@ def settle_dtype(loaded: LoadedModel, requested: str, cache_dir: Path | None = N
         return
     from server.engine.dtype import pick_cpu_dtype
 
-    model, chosen, figures = pick_cpu_dtype(loaded.model, cache_dir)
-    loaded.model, loaded.dtype = model, chosen
-    loaded.dtype_figures = {k: v for k, v in figures.items() if k != "cached"}
-    name = str(chosen).removeprefix("torch.")
+    choice = pick_cpu_dtype(loaded.model, cache_dir)
+    loaded.model, loaded.dtype, loaded.dtype_figures = choice.model, choice.dtype, choice.figures
+    name = str(choice.dtype).removeprefix("torch.")
+    figures = choice.figures
     if figures:
-        how = "remembered for this CPU, torch and model" if figures.get("cached") else "measured now"
+        how = "remembered for this CPU, torch and model" if choice.remembered else "measured now"
         loaded.dtype_note = (
             f"{name} (auto: a 32-row decode step took {figures['float32_ms']:.1f} ms in float32, "
             f"{figures['bfloat16_ms']:.1f} ms in bfloat16; {how})"
         )
-        event = "model.dtype_remembered" if figures.get("cached") else "model.dtype_measured"
-        log.info(event, chosen=name, **{k: round(v, 1) for k, v in loaded.dtype_figures.items()})
+        event = "model.dtype_remembered" if choice.remembered else "model.dtype_measured"
+        log.info(event, chosen=name, **{k: round(v, 1) for k, v in figures.items()})
     else:
         loaded.dtype_note = f"{name} (auto: model too small or not on the Llama path to measure)"

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from server.bench import machine
 from server.engine import dtype as dtype_mod
+from server.engine import machine
 from server.engine.model import load_model
 
 

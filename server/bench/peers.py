@@ -120,18 +120,26 @@ class LlamaServer:
     def __enter__(self) -> LlamaServer:
         print("$", " ".join(self.cmd), "&", flush=True)
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
+        try:
+            self._wait_ready(self.proc, 120.0)
+        except BaseException:
+            self.__exit__()  # a server that never got ready is not left running (with never calls exit)
+            raise
+        return self
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.cmd}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}: {self.cmd}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        return self
+                        return
             except OSError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError("llama-server was not ready within 120 s")
+        raise TimeoutError(f"llama-server was not ready within {timeout_s:g} s")
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:

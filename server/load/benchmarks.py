@@ -52,6 +52,11 @@ class _Server:
         self.urls: list[str] = []
         self.ready_line = ""  # what the server said when ready (tokenwire serve: model, device, dtype)
 
+    @property
+    def http_url(self) -> str:
+        """The HTTP API's base (``http://HOST:PORT/v1``) of the server's first WebSocket URL."""
+        return self.urls[0].replace("ws://", "http://").removesuffix("/ws")
+
     def __enter__(self) -> _Server:
         print("$ tokenwire", " ".join(self.args), "&", flush=True)
         self.proc = subprocess.Popen(
@@ -180,7 +185,7 @@ def _e2e(work: Path, quick: bool) -> dict[str, Any]:
                 _load(s.urls[0], work / f"load32-{i}.json", *workload, "--subprotocol", "both")
             )
             # The same workload through the same server's OpenAI-compatible HTTP API (streamed SSE).
-            http = s.urls[0].replace("ws://", "http://").removesuffix("/ws")
+            http = s.http_url
             out["load32_http"].append(
                 _load(http, work / f"load32_http-{i}.json", *workload, "--api", "openai")
             )
@@ -382,19 +387,16 @@ def _peers_run(work: Path, quick: bool) -> dict[str, Any]:
     the work folder: server/bench/peers.py) and ``tokenwire serve``, each alone on the machine, driven by
     the e2e workload through ``tokenwire load --api openai``: cold prompts, then the same prompts again
     (llama-server keeps each slot's prompt; tokenwire's response cache is off, as in every load)."""
-    import socket
-
     import torch
 
     from server.bench.peers import LLAMA_CPP_BIN, LlamaServer, llama_server
     from server.engine.model import find_default_gguf
+    from server.store.valkey_cluster import free_port
 
     exe = llama_server(work / "peers")
     workload, users = _workload(quick)
     threads = torch.get_num_threads()  # what the engine computes with
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     gguf = find_default_gguf()
     out: dict[str, Any] = {"llama_cpp_bin": LLAMA_CPP_BIN, "threads": threads, "slots": users}
     out["gguf"] = gguf.name
@@ -406,7 +408,7 @@ def _peers_run(work: Path, quick: bool) -> dict[str, Any]:
         }
     with _serve(work) as s:
         out["tokenwire_ready"] = s.ready_line
-        http = s.urls[0].replace("ws://", "http://").removesuffix("/ws")
+        http = s.http_url
         out["tokenwire"] = {
             ph: _load(http, work / f"peer-tokenwire-{ph}.json", *workload, "--api", "openai") for ph in phases
         }

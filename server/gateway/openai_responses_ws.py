@@ -222,11 +222,18 @@ class ResponsesSocket:
                     raise bad(
                         f"{RESUME_PARAM}: {point[:80]!r} is not RESPONSE_ID:SEQUENCE_NUMBER", RESUME_PARAM
                     )
-                view = await find_response(self.api, self.caller, rid)
-                stream_id = view.payload.get("stream_id")
-                lane = stream_id if isinstance(stream_id, str) else None
-                self._check_lane_free(lane)
-                grant = await self.api.admit(self.caller, rid[len(PREFIX) :], kind="resume", conn=self.limits)
+                # Admitted before the response is looked up: the lookup reads its whole log.
+                grant = await self.api.admit(
+                    self.caller, rid[len(PREFIX) :][:64], kind="resume", conn=self.limits
+                )
+                try:
+                    view = await find_response(self.api, self.caller, rid)
+                    stream_id = view.payload.get("stream_id")
+                    lane = stream_id if isinstance(stream_id, str) else None
+                    self._check_lane_free(lane)
+                except BaseException:
+                    grant.release()
+                    raise
                 self._start(lane, rid, grant, int(raw))
             except ApiError as exc:
                 await self._error(exc, lane)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+import websockets
 
 from protocol import (
     Accepted,
@@ -246,6 +247,11 @@ async def test_every_door_is_refused_when_admission_refuses(
             await post("/v1/responses", {"model": "default", "input": "hi", "background": True}),
             await post("/v1/responses", {"model": "default", "input": "hi", "stream": True}),
         ]
+        # The Responses WebSocket's handshake resume point (tw_resume) is refused as it is admitted.
+        host = f"ws://127.0.0.1:{server.port}"
+        async with websockets.connect(f"{host}/v1/responses?tw_resume=resp_none:3") as rws:
+            tw_resume = json.loads(await asyncio.wait_for(rws.recv(), 5.0))
+        assert tw_resume["type"] == "error" and tw_resume["error"]["code"] == "rate_limited", tw_resume
         reads = [
             await _http(server.port, "GET", "/v1/responses/resp_none?stream=true"),
             await _http(server.port, "GET", "/v1/responses/resp_none"),
@@ -258,7 +264,7 @@ async def test_every_door_is_refused_when_admission_refuses(
         # Retrieves and cancels are admitted before the response is looked up (so unknown ids too).
         assert [status for status, _, _ in reads] == [429] * 3
         kinds = sorted(a.kind for a in refuse.asked)
-        assert kinds == ["cancel"] * 2 + ["chat"] * 7 + ["resume"] * 4
+        assert kinds == ["cancel"] * 2 + ["chat"] * 7 + ["resume"] * 5
         # Nothing was created: no new request, log or session history in the store.
         after = set(await redis.keys(f"{keys.prefix}*"))
         new = {k.decode() for k in after - before}

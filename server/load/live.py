@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Column
 
 from server.load.idle import IdlePool
 from server.load.report import percentile
@@ -22,12 +23,18 @@ class LiveView:
     violations and the idle connections' ping RTT while the run goes on."""
 
     def __init__(self) -> None:
+        # The description, bar, count and elapsed time keep their width; the stats take what is left
+        # and wrap onto a second line on a narrow terminal (by default rich shrinks every column, and on
+        # 80 columns the elapsed time came out as "…").
+        def fixed(min_width: int | None = None) -> Column:
+            return Column(no_wrap=True, overflow="ignore", min_width=min_width)
+
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(bar_width=20),
-            TextColumn("{task.completed:>6.0f}/{task.total:.0f}"),
-            TimeElapsedColumn(),
-            TextColumn("{task.fields[stats]}"),
+            TextColumn("[bold]{task.description}", table_column=fixed()),
+            BarColumn(bar_width=20, table_column=fixed(20)),
+            TextColumn("{task.completed:>6.0f}/{task.total:.0f}", table_column=fixed()),
+            TimeElapsedColumn(table_column=fixed(7)),
+            TextColumn("{task.fields[stats]}", table_column=Column(ratio=1, overflow="fold")),
             console=Console(stderr=True),
         )
         self.state: RunState | None = None

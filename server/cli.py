@@ -604,14 +604,24 @@ def main(argv: list[str] | None = None) -> int:
     add_load_arguments(ld)
     ld.set_defaults(func=_load)
 
-    # Its own parser (server/load/capacity.py): listed here, parsed there.
+    # Their own parsers (server/load/capacity.py, server/eval/cli.py): listed here, parsed there.
     sub.add_parser(
         "capacity",
         help="size gateways, workers and Redis shards for a load, from make bench's measured unit costs",
         add_help=False,
     )
 
+    sub.add_parser(
+        "eval",
+        help="score sampling settings on about 40 checked prompts with the real model; choose the defaults",
+        add_help=False,
+    )
+
     raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["eval"]:
+        from server.eval.cli import main as evaluate
+
+        return evaluate(raw[1:])
     if raw[:1] == ["capacity"]:
         from server.load.capacity import main as capacity
 

@@ -119,6 +119,7 @@ def _soak(work: Path, requests: int) -> dict[str, Any]:
 
 
 SECTIONS = (
+    "eval",
     "start",
     "mobile",
     "engine",
@@ -371,6 +372,20 @@ def _gateway_loss_run(work: Path, quick: bool) -> dict[str, Any]:
     }
 
 
+def _eval_run(work: Path, quick: bool) -> dict[str, Any]:
+    """``tokenwire eval`` over its whole grid (issue 29: the defaults chosen by the scores); --quick asks
+    one seed of the code and arithmetic cases only."""
+    out = work / "eval.json"
+    cmd = [sys.executable, "-m", "server.cli", "eval", "--json", str(out)]
+    if quick:
+        cmd += ["--seeds", "1", "--cases", "code,arithmetic"]
+    print("$ tokenwire", " ".join(cmd[3:]), flush=True)
+    subprocess.run(cmd, check=True, timeout=3600)
+    result = json.loads(out.read_text())
+    result.pop("replies")  # every reply's text stays in eval.json, not in BENCHMARKS.md's sources
+    return {"eval": result}
+
+
 def _start_run(work: Path, quick: bool) -> dict[str, Any]:
     from server.load.first_hour import run_first_hour
 
@@ -435,6 +450,7 @@ def _mobile_run(work: Path, quick: bool) -> dict[str, Any]:
 
 
 RUNNERS = {
+    "eval": _eval_run,
     "coalesce": _coalesce_run,
     "start": _start_run,
     "mobile": _mobile_run,
@@ -739,6 +755,8 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         "| --- | --- | --- |",
         *(f"| {name} | {when} | {load} |" for name, (when, load) in measured.items()),
     ]
+    if "eval" in r:
+        lines += _render_eval(r["eval"])
     if "start" in r:
         lines += _render_start(r["start"])
     if "mobile" in r:
@@ -998,6 +1016,36 @@ def _render_mobile(m: dict[str, Any]) -> list[str]:
         "| network: cuts / silences / handshakes lost | "
         f"{m['cuts']} / {m['silences']} / {m['handshakesDropped']} |",
         f"| scenario passed | {'yes' if m.get('passed') else '**no**'} |",
+    ]
+
+
+def _render_eval(ev: dict[str, Any]) -> list[str]:
+    from server.eval.cli import render
+    from server.eval.run import LOOP_LIMIT
+
+    chosen, now = ev.get("chosen"), ev.get("server_defaults")
+    verdict = (
+        "the server's defaults (server/defaults.py) are the chosen setting"
+        if chosen and chosen == now
+        else f"**the server's defaults ({now or 'not in the grid'}) are not the chosen setting ({chosen})**"
+    )
+    return [
+        "",
+        "## Sampling defaults (`tokenwire eval`)",
+        "",
+        f"{_cpu(ev)}; model {ev['model']} in {ev['dtype']}.",
+        "",
+        f"{ev['cases']} prompts with a check a program runs (facts, some in French and Spanish; arithmetic;",
+        "code run against asserts in a subprocess; length and format instructions; recall of an earlier",
+        f"turn: `server/eval/cases.py`), each asked once per greedy setting and {ev['seeds']} times (seeds)",
+        f"per sampled one, up to {ev['max_tokens']} tokens. *pass*: the share of replies whose check passed;",
+        "*loops*: replies that repeat a sentence 3+ times or end in a repeated unit; *cut at max*: replies",
+        f"that reached max_tokens. Chosen: the best pass rate among settings that loop on at most "
+        f"{LOOP_LIMIT:.0%} of their replies ({ev['seconds']:.0f} s for the run).",
+        "",
+        render(ev["scores"], chosen, now),
+        "",
+        f"Verdict: {verdict}.",
     ]
 
 

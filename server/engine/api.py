@@ -7,13 +7,20 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from server.defaults import (  # one set of defaults for every door (server/defaults.py)
+    DEFAULT_FREQUENCY_PENALTY,
     DEFAULT_MAX_TOKENS,
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
 )
 
-__all__ = ["DEFAULT_MAX_TOKENS", "DEFAULT_REPETITION_PENALTY", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P"]
+__all__ = [
+    "DEFAULT_FREQUENCY_PENALTY",
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_REPETITION_PENALTY",
+    "DEFAULT_TEMPERATURE",
+    "DEFAULT_TOP_P",
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,6 +132,7 @@ CASES: tuple[Case, ...] = (
         "List three fruits as a bulleted list, one fruit per line.",
         bullets(3),
     ),
+    _ask("cook-tips", "format", "Give me three tips for learning to cook.", bullets(3)),  # a UI example
     _ask("short-answer", "format", "In fewer than 20 words: why do people sleep?", word_count(1, 19)),
     _ask(
         "upper-case",

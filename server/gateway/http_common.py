@@ -151,16 +151,19 @@ class Caller:
 
 # OpenAI's sampling fields: a call that sets any of them chose how it samples.
 OPENAI_SAMPLING = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
+# Each penalty's "off": what a call that chose how it samples gets for a penalty it did not send.
+PENALTIES_OFF = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
 def openai_sampling(params: dict[str, Any]) -> dict[str, Any]:
-    """The sampling an OpenAI client asked for, and only that. OpenAI has no repetition penalty, and the
-    server's default one (server/defaults.py) is part of the defaults a client that chose nothing gets:
-    a call that sets any of OPENAI_SAMPLING gets repetition_penalty 1.0 (off) unless it sends one, so
-    ``temperature: 0`` is plain greedy decoding and the penalties it sends are the only ones."""
-    if "repetition_penalty" in params or not any(k in params for k in OPENAI_SAMPLING):
+    """The sampling an OpenAI client asked for, and only that. The server's default penalties
+    (server/defaults.py) are part of the defaults a client that chose nothing gets: a call that sets any
+    of OPENAI_SAMPLING gets every penalty it did not send off (OpenAI has no repetition penalty, and its
+    frequency and presence penalties default to 0), so ``temperature: 0`` is plain greedy decoding and
+    the penalties it sends are the only ones."""
+    if not any(k in params for k in OPENAI_SAMPLING):
         return params
-    return {**params, "repetition_penalty": 1.0}
+    return {**PENALTIES_OFF, **params}
 
 
 def caller_of(authorization: str, secret: str | None) -> Caller:

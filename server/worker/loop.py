@@ -24,6 +24,7 @@ import structlog
 from server import metrics
 from server.aio import cancel_and_wait
 from server.engine.api import (
+    DEFAULT_FREQUENCY_PENALTY,
     DEFAULT_MAX_TOKENS,
     DEFAULT_REPETITION_PENALTY,
     DEFAULT_TEMPERATURE,
@@ -54,7 +55,7 @@ def params_from_payload(p: dict[str, object]) -> SamplingParams:
         seed=int(get("seed", 0)),  # type: ignore[call-overload]
         stop=tuple(stop),  # type: ignore[arg-type]
         repetition_penalty=float(get("repetition_penalty", DEFAULT_REPETITION_PENALTY)),  # type: ignore[arg-type]
-        frequency_penalty=float(get("frequency_penalty", 0.0)),  # type: ignore[arg-type]
+        frequency_penalty=float(get("frequency_penalty", DEFAULT_FREQUENCY_PENALTY)),  # type: ignore[arg-type]
         presence_penalty=float(get("presence_penalty", 0.0)),  # type: ignore[arg-type]
     )
 

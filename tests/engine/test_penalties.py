@@ -11,7 +11,7 @@ import torch
 
 from protocol import Params, ProtocolError
 from protocol.frames import parse_client_frame
-from server.defaults import DEFAULT_REPETITION_PENALTY
+from server.defaults import DEFAULT_FREQUENCY_PENALTY, DEFAULT_REPETITION_PENALTY
 from server.engine.api import GenerationRequest, SamplingParams
 from server.engine.model import LoadedModel, load_model
 from server.engine.penalties import apply_penalties
@@ -81,7 +81,11 @@ def test_penalties_travel_from_the_wire_to_the_engine() -> None:
     assert chat.params == Params(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.25)  # type: ignore[union-attr]
     sp = params_from_payload(chat.params.to_wire())  # type: ignore[union-attr]
     assert (sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty) == (1.3, 0.5, -0.25)
-    assert params_from_payload({}).repetition_penalty == DEFAULT_REPETITION_PENALTY  # the server default
+    defaults = params_from_payload({})  # the server's defaults fill what a chat leaves out
+    assert (defaults.repetition_penalty, defaults.frequency_penalty) == (
+        DEFAULT_REPETITION_PENALTY,
+        DEFAULT_FREQUENCY_PENALTY,
+    )
 
 
 @pytest.fixture(scope="module")

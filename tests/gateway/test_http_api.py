@@ -398,9 +398,12 @@ async def test_what_an_openai_client_sends_is_how_it_samples(server: Running) ->
         )
         return await _params(server, "k-test", key)
 
-    # temperature 0 is plain greedy: the server's default repetition penalty does not apply.
+    # temperature 0 is plain greedy: the server's default penalties do not apply.
     greedy = await chat("t0", temperature=0)
     assert greedy["temperature"] == 0 and greedy["repetition_penalty"] == 1.0
+    assert (greedy["frequency_penalty"], greedy["presence_penalty"]) == (0.0, 0.0)
+    # One penalty sent: that one, the others off.
+    assert (await chat("f", frequency_penalty=0.2))["repetition_penalty"] == 1.0
     # The penalties it sends are the ones it gets; metadata is accepted.
     sent = await chat(
         "pen",
@@ -415,7 +418,8 @@ async def test_what_an_openai_client_sends_is_how_it_samples(server: Running) ->
         1.3,
     )
     # A client that chooses nothing gets the server's defaults as a whole (the worker fills them in).
-    assert "repetition_penalty" not in await chat("none")
+    none = await chat("none")
+    assert not {"repetition_penalty", "frequency_penalty", "presence_penalty"} & set(none)
     # The same rule on the Responses API, over HTTP and over its WebSocket mode.
     r = await client.responses.create(model="default", input="x", temperature=0, max_output_tokens=2)
     assert (await _params(server, "k-test", r.id.removeprefix("resp_")))["repetition_penalty"] == 1.0

@@ -460,6 +460,9 @@ class Welcome:
     server: str
     limits: Mapping[str, int] = field(default_factory=dict)
     models: tuple[str, ...] = ()  # the models a chat may name in params.model, the default first
+    # Models no worker serves yet (loading, or no worker up): their chats and replies wait in the queue.
+    # "default" stands for the default model while its name is unknown (a cluster with no live worker).
+    loading: tuple[str, ...] = ()
     v: int = PROTOCOL_VERSION
     type: Literal["welcome"] = "welcome"
 
@@ -474,6 +477,8 @@ class Welcome:
         }
         if self.models:
             d["models"] = list(self.models)
+        if self.loading:
+            d["loading"] = list(self.loading)
         return d
 
 
@@ -597,6 +602,9 @@ def _parse_welcome(r: Mapping[str, Any]) -> Welcome:
     models = r.get("models") or []
     if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
         raise _bad("welcome.models: expected an array of strings")
+    loading = r.get("loading") or []
+    if not isinstance(loading, list) or not all(isinstance(m, str) for m in loading):
+        raise _bad("welcome.loading: expected an array of strings")
     return Welcome(
         v=_field(r, "v", int, "welcome"),
         session=_field(r, "session", str, "welcome"),
@@ -604,6 +612,7 @@ def _parse_welcome(r: Mapping[str, Any]) -> Welcome:
         server=_field(r, "server", str, "welcome"),
         limits=dict(limits),
         models=tuple(models),
+        loading=tuple(loading),
     )
 
 

@@ -316,13 +316,15 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles, index: int = 0) -> Any
     return worker
 
 
-async def start_workers(cfg: ServeConfig, h: StoreHandles) -> list[Any]:
+async def start_workers(cfg: ServeConfig, h: StoreHandles, started: list[Any] | None = None) -> list[Any]:
     """A worker per model, loaded one after another (the default model first). If one fails to start,
-    those already started are stopped."""
+    those already started are stopped. ``started`` gets each worker as soon as it runs."""
     workers: list[Any] = []
     try:
         for i in range(len(model_specs(cfg))):
             workers.append(await start_worker(cfg, h, i))
+            if started is not None:
+                started.append(workers[-1])
     except BaseException:
         for w in workers:
             with contextlib.suppress(Exception):
@@ -346,7 +348,10 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
         # This process knows its models before loading them: chats may name them at once (they queue).
         gateway.models.local = tuple(name for name, _ in specs)
         gateway.model_name = specs[0][0]
-        worker_task = asyncio.create_task(start_workers(cfg, h))
+        # welcome.loading names the models whose worker has not started yet (their chats queue).
+        started: list[Any] = []
+        gateway.models.started = lambda: [w.model_name for w in started]
+        worker_task = asyncio.create_task(start_workers(cfg, h, started))
         stop_task = asyncio.create_task(stop.wait())
         try:
             done, _ = await asyncio.wait({worker_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)

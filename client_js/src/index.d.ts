@@ -244,6 +244,12 @@ export interface WelcomeFrame {
   limits: Record<string, number>;
   /** The models a chat may name in `params.model`, the default first (absent: not known). */
   models?: string[];
+  /**
+   * The models no worker serves yet (still loading, or no worker up; "default" while a cluster does not
+   * know the default's name): their chats and replies wait in the queue. A snapshot at welcome; absent:
+   * none known to be loading (SPEC §5).
+   */
+  loading?: string[];
 }
 
 export interface StateEvent {

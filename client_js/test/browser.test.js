@@ -38,6 +38,7 @@ const SCRIPT = {
   "Reverse a string in Python": { reply: CODE_REPLY },
   "Reverse a string, slowly": { reply: CODE_REPLY, holdAt: 7 },
   "A long answer please": { reply: ENDLESS.slice(0, 30), finish: "length" },
+  "Tell me everything": { reply: ENDLESS.slice(0, 400) },
 };
 const lastQuestion = (f) => (f.messages ? f.messages.at(-1).content : f.content);
 
@@ -436,3 +437,35 @@ for (const [name, device] of [
     }
   });
 }
+
+test("phone: a reply cut at max tokens says so in the conversation, above the message box (issue 29)", async () => {
+  const { context, page, problems } = await openUI(`${server.origin}/?ws=${encodeURIComponent(fake.url)}`, { device: PHONE });
+  // A conversation taller than the phone's screen, then a reply that the server cuts at max_tokens.
+  await page.fill("#prompt", "Tell me everything");
+  await page.click("#send");
+  await page.waitForFunction(() => window.tokenwireUI.turns.at(-1)?.status === "done", null, { timeout: 15_000 });
+  await page.fill("#prompt", "A long answer please");
+  await page.click("#send");
+  await page.waitForFunction(() => window.tokenwireUI.turns.length === 4 && window.tokenwireUI.turns.at(-1).status === "done", null, { timeout: 15_000 });
+  const where = await page.evaluate(() => {
+    const note = [...document.querySelectorAll(".turn.assistant .note")].at(-1);
+    const n = note.getBoundingClientRect();
+    const hit = document.elementFromPoint(n.left + n.width / 2, n.top + n.height / 2);
+    return {
+      text: note.textContent,
+      top: n.top,
+      bottom: n.bottom,
+      composerTop: document.getElementById("composer").getBoundingClientRect().top,
+      barBottom: document.querySelector(".bar").getBoundingClientRect().bottom,
+      onTop: note.contains(hit),
+      scrollable: document.scrollingElement.scrollHeight > innerHeight,
+    };
+  });
+  assert.match(where.text, /hit the max tokens limit \(30 tokens\)/);
+  assert.ok(where.scrollable, "the conversation is taller than the screen (else the test shows nothing)");
+  assert.ok(where.bottom <= where.composerTop + 0.5 && where.top >= where.barBottom - 0.5, `the notice is on screen, between the header and the message box: ${JSON.stringify(where)}`);
+  assert.ok(where.onTop, "nothing covers the notice");
+  await shot(page, "ui-max-tokens-phone-long");
+  assert.deepEqual(problems, []);
+  await context.close();
+});

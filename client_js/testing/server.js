@@ -1,6 +1,7 @@
 // Start the real `tokenwire serve` (tiny model) for the Node tests, the way tests/e2e/serve_process.py
 // does: port 0 (or a given port, to restart in place), wait for the "tokenwire ready" line, stop with
-// SIGTERM. Configured by the environment that tests/e2e/test_js_client.py sets:
+// SIGTERM. A cluster's pieces too: `tokenwire gateway` and `tokenwire worker` over one store
+// (startStore: $TOKENWIRE_REDIS_URL, else an embedded Valkey of the test's own). Configured by the environment that tests/e2e/test_js_client.py sets:
 //   TOKENWIRE_PYTHON       the Python with tokenwire installed (default: <repo>/.venv/bin/python)
 //   TOKENWIRE_MODEL_DIR    a model folder (default: the tiny test model, built once into a temp folder)
 //   TOKENWIRE_REDIS_URL    an external Redis/Valkey (default: each server's embedded Valkey)
@@ -51,10 +52,57 @@ export function newStoreScope() {
  * `scope` (from newStoreScope) is reused to restart a server on the same store.
  */
 export async function startServer({ port = 0, scope = newStoreScope(), timeoutMs = 90_000, extraArgs = [] } = {}) {
-  const args = ["-m", "server.cli", "serve", "--port", String(port), "--model", modelDir(), "--data-dir", scope.dataDir, "--key-prefix", scope.prefix, ...extraArgs];
+  const args = ["serve", "--port", String(port), "--model", modelDir(), "--data-dir", scope.dataDir, "--key-prefix", scope.prefix, ...extraArgs];
   if (process.env.TOKENWIRE_REDIS_URL) args.push("--redis-url", process.env.TOKENWIRE_REDIS_URL);
+  return launch(args, { scope, timeoutMs, readyLine: "tokenwire ready" });
+}
+
+/** The store a cluster's gateways and workers share: {url, stop()}. $TOKENWIRE_REDIS_URL when set (the
+ * test keeps to its own key prefix), else an embedded Valkey (no persistence) that stop() ends. */
+export async function startStore() {
+  if (process.env.TOKENWIRE_REDIS_URL) return { url: process.env.TOKENWIRE_REDIS_URL, stop: async () => {} };
+  const dir = mkdtempSync(join(tmpdir(), "tokenwire-js-store-"));
+  const code = ["import sys", "from pathlib import Path", "from server.store.embedded import EmbeddedValkey", `v = EmbeddedValkey(Path(${JSON.stringify(dir)}), persist=False)`, "print('valkey at', v.start(), flush=True)", "sys.stdin.read()", "v.stop()"].join("\n");
+  const proc = spawn(PYTHON, ["-c", code], { cwd: REPO, stdio: ["pipe", "pipe", "inherit"] });
+  live.add(proc);
+  const exited = new Promise((resolve) => proc.on("exit", resolve));
+  exited.then(() => live.delete(proc));
+  const url = await new Promise((resolve, reject) => {
+    let buf = "";
+    proc.stdout.on("data", (chunk) => {
+      buf += chunk.toString("utf8");
+      const m = /^valkey at (\S+)$/m.exec(buf);
+      if (m) resolve(m[1]);
+    });
+    exited.then((code) => reject(new Error(`the embedded Valkey did not start (exit ${code})`)));
+  });
+  return {
+    url,
+    async stop() {
+      proc.stdin.end(); // the helper stops its Valkey and exits
+      await exited;
+    },
+  };
+}
+
+/** `tokenwire gateway` on `store` (no model; ready once listening): the server object of startServer. */
+export function startGateway({ store, port = 0, scope, timeoutMs = 60_000, extraArgs = [] }) {
+  const args = ["gateway", "--port", String(port), "--redis-url", store.url, "--key-prefix", scope.prefix, ...extraArgs];
+  return launch(args, { scope, timeoutMs, readyLine: "tokenwire listening" });
+}
+
+/** `tokenwire worker` with the tiny model on `store`, ready once its model is loaded (no url). */
+export function startWorker({ store, scope, timeoutMs = 90_000, extraArgs = [] }) {
+  const args = ["worker", "--model", modelDir(), "--redis-url", store.url, "--key-prefix", scope.prefix, ...extraArgs];
+  return launch(args, { scope, timeoutMs, readyLine: "tokenwire ready" });
+}
+
+/** Run `python -m server.cli ARGS` until it prints a line starting with `readyLine`. */
+async function launch(cliArgs, { scope, timeoutMs, readyLine }) {
+  const args = ["-m", "server.cli", ...cliArgs];
+  const what = `tokenwire ${cliArgs[0]}`;
   mkdirSync(scope.dataDir, { recursive: true });
-  const stderrPath = join(scope.dataDir, `serve-${Date.now()}.stderr`);
+  const stderrPath = join(scope.dataDir, `${cliArgs[0]}-${Date.now()}.stderr`);
   const stderr = createWriteStream(stderrPath);
   const proc = spawn(PYTHON, args, { cwd: REPO, env: { ...process.env, PYTHONUNBUFFERED: "1" }, stdio: ["ignore", "pipe", "pipe"] });
   live.add(proc);
@@ -73,7 +121,7 @@ export async function startServer({ port = 0, scope = newStoreScope(), timeoutMs
     let listening = null;
     const timer = setTimeout(() => {
       proc.kill("SIGKILL");
-      reject(new Error(`tokenwire serve not ready in ${timeoutMs} ms:\n${tail()}`));
+      reject(new Error(`${what} not ready in ${timeoutMs} ms:\n${tail()}`));
     }, timeoutMs);
     proc.stdout.on("data", (chunk) => {
       buf += chunk.toString("utf8");
@@ -83,7 +131,7 @@ export async function startServer({ port = 0, scope = newStoreScope(), timeoutMs
         buf = buf.slice(nl + 1);
         const m = /tokenwire listening on (ws:\/\/\S+)/.exec(line);
         if (m) listening = m[1];
-        if (line.startsWith("tokenwire ready")) {
+        if (line.startsWith(readyLine)) {
           clearTimeout(timer);
           resolve(listening);
         }
@@ -91,14 +139,14 @@ export async function startServer({ port = 0, scope = newStoreScope(), timeoutMs
     });
     exited.then(({ code, signal }) => {
       clearTimeout(timer);
-      reject(new Error(`tokenwire serve exited (${code ?? signal}) before it was ready:\n${tail()}`));
+      reject(new Error(`${what} exited (${code ?? signal}) before it was ready:\n${tail()}`));
     });
   });
-  const u = new URL(url);
+  const u = url ? new URL(url) : null;
   return {
     url,
-    port: Number(u.port),
-    origin: `http://${u.host}`,
+    port: u ? Number(u.port) : null,
+    origin: u ? `http://${u.host}` : null,
     proc,
     scope,
     stderrPath,

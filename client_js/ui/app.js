@@ -5,6 +5,11 @@
 // conversation in messages mode. A reply that was streaming when the page was reloaded is resumed by
 // its request id.
 //
+// A reply that makes no progress says why, in the reply and in the header, instead of a plain
+// "Connected": queued behind a model that is still loading (welcome.loading), queued, or waiting for the
+// server to resume it after a reconnect (a restarted server continues it once the lost worker's lease
+// lapses). It goes the moment tokens flow again.
+//
 // Which server: the one this page came from. `?ws=wss://host/v1/ws` may name another, but only one the
 // server lists in its /config.json (`tokenwire serve --ui-connect ORIGIN`); anything else is refused with
 // a visible message and nothing is sent (the page keeps a whole conversation that a crafted link must not
@@ -96,9 +101,10 @@ const config = await loadConfig();
 const server = pickServer(config);
 const client = server.url ? new TokenwireClient(server.url) : null;
 
-/** @type {{role: string, content: string, id?: string, status?: string, note?: string, finish?: string, el?: HTMLElement}[]} */
+/** @type {{role: string, content: string, id?: string, status?: string, note?: string, finish?: string, wait?: string, el?: HTMLElement}[]} */
 let turns = [];
 let current = null; // the assistant turn that is streaming
+let currentStream = null; // its ChatStream
 
 // ---------------------------------------------------------------------------------------- banner
 
@@ -118,6 +124,103 @@ function hideBanner() {
 function setStatus(state, text) {
   ui.status.dataset.state = state;
   ui.statusText.textContent = text ?? STATE_TEXT[state] ?? state;
+  showWaitInStatus();
+}
+
+// ---------------------------------------------------------------------------------------- a reply that waits
+
+// What a reply without progress waits for: the header's short text and the reply's own line.
+const WAIT = {
+  loading: { status: "Model loading…", note: (started) => `Queued: the model is still loading. This reply ${started ? "continues" : "starts"} as soon as it has loaded.` },
+  queued: { status: "Queued…", note: () => "Queued: waiting for the server to start this reply…" },
+  resume: { status: "Resuming reply…", note: () => "Waiting for the server to resume this reply…" },
+  first: { status: "Waiting…", note: () => "Waiting for the server's first token…" },
+};
+// How long without a token before saying so: a queued chat usually starts at once, a resumed reply
+// continues at once unless its server restarted, and tokens come several a second on a slow CPU.
+const QUEUED_MS = 1500;
+const RESUMED_MS = 2000;
+const STALL_MS = 5000;
+
+const progress = { at: 0, resumed: false, ticker: null };
+let serverLoading = []; // welcome.loading of this connection; emptied once /readyz says the server is ready
+let readyPoll = null;
+
+/** The models a reply may be waiting for: its model (accepted.model), and the default's names. */
+function replyModels(chatStream) {
+  const model = chatStream.model;
+  const def = client?.welcome?.models?.[0] ?? config.model;
+  const names = new Set([model ?? "default"]);
+  if (!model || model === "default" || model === def) {
+    names.add("default");
+    if (def) names.add(def);
+  }
+  return names;
+}
+
+/** Why the streaming reply makes no progress (a key of WAIT), or null while it does or cannot know. */
+function waitKind() {
+  if (!current || !currentStream || currentStream.ended || client?.state !== "open") return null;
+  const state = currentStream.state;
+  if (state !== "queued" && state !== "running") return null; // not accepted (yet) on this connection
+  const names = replyModels(currentStream);
+  if (serverLoading.some((m) => names.has(m))) return "loading";
+  const idle = performance.now() - progress.at;
+  if (progress.resumed) return idle >= RESUMED_MS ? "resume" : null;
+  if (state === "queued") return idle >= QUEUED_MS ? "queued" : null;
+  if (idle < STALL_MS) return null;
+  return current.content ? "resume" : "first";
+}
+
+function updateWait() {
+  const kind = waitKind();
+  if (kind === "loading") watchReadiness();
+  else stopReadinessWatch();
+  if (current && (current.wait ?? null) !== kind) {
+    current.wait = kind ?? undefined;
+    schedulePaint(current);
+  }
+  showWaitInStatus();
+}
+
+function showWaitInStatus() {
+  const kind = current?.wait;
+  if (kind && ui.status.dataset.state === "open") {
+    ui.status.dataset.wait = kind;
+    ui.statusText.textContent = WAIT[kind].status;
+  } else if (ui.status.dataset.wait) {
+    delete ui.status.dataset.wait;
+    ui.statusText.textContent = STATE_TEXT[ui.status.dataset.state] ?? ui.status.dataset.state;
+  }
+}
+
+/** While a reply waits for a loading model, ask this page's server (its /readyz) whether it is ready
+ * now: welcome.loading is what the server knew when this connection opened. */
+function watchReadiness() {
+  if (readyPoll || !server.url || new URL(server.url).host !== location.host) return;
+  readyPoll = setInterval(async () => {
+    try {
+      const r = await fetch(new URL("readyz", location.href), { cache: "no-store" });
+      // A cluster's gateway answers 200 with a body that says when no live worker serves the model.
+      if (r.ok && (await r.text()).trim() === "ready") {
+        serverLoading = [];
+        updateWait();
+      }
+    } catch {
+      // not reachable: the connection's own state says so
+    }
+  }, 2000);
+}
+
+function stopReadinessWatch() {
+  if (readyPoll) clearInterval(readyPoll);
+  readyPoll = null;
+}
+
+/** Tokens came (or the reply was accepted again): the reply is not waiting, for now. */
+function progressed() {
+  progress.at = performance.now();
+  updateWait();
 }
 
 if (client) {
@@ -133,9 +236,19 @@ if (client) {
       showBanner("offline", [`Disconnected from ${host}. Reload the page to connect again.`]);
     } else if (state === "open") {
       hideBanner();
+      serverLoading = Array.isArray(client.welcome?.loading) ? client.welcome.loading.filter((m) => typeof m === "string") : [];
       // The server says which models it serves (a cluster's gateway knows them only from its workers).
       if (Array.isArray(client.welcome?.models) && client.welcome.models.length) showModels(client.welcome.models);
     }
+    updateWait();
+  });
+  // A reconnect resumes the streaming reply: from then on a short silence means it waits for the server.
+  client.on("resume", ({ points }) => {
+    if (current?.id && points.some((p) => p.id === current.id)) progress.resumed = true;
+  });
+  client.on("frame", (frame) => {
+    // The stream's state (queued, running) is set right after this event.
+    if (frame.type === "accepted" && frame.id === current?.id) queueMicrotask(progressed);
   });
 } else {
   // Refused: say so where it cannot be missed, and keep everything in this browser.
@@ -270,9 +383,12 @@ function addTurn(turn) {
   who.className = "who";
   const content = document.createElement("div");
   content.className = "content";
+  const wait = document.createElement("div");
+  wait.className = "wait";
+  wait.setAttribute("role", "status");
   const note = document.createElement("div");
   note.className = "note";
-  el.append(who, content, note);
+  el.append(who, content, wait, note);
   ui.conversation.appendChild(el);
   turn.el = el;
   turns.push(turn);
@@ -323,6 +439,8 @@ function paint(turn) {
   if (turn.finish) el.dataset.finish = turn.finish;
   else delete el.dataset.finish;
   if (turn.id) el.dataset.requestId = turn.id;
+  if (turn.wait) el.dataset.wait = turn.wait;
+  else delete el.dataset.wait;
   // The model that answered (accepted.model: the one picked, or a lighter one the server fell back to).
   el.querySelector(".who").textContent = turn.role === "user" ? "You" : (turn.model ?? config.model ?? "Model");
   const content = el.querySelector(".content");
@@ -331,6 +449,7 @@ function paint(turn) {
     content.replaceChildren(renderMarkdown(turn.content));
     if (turn.status !== "streaming") addCopyButtons(content);
   }
+  el.querySelector(".wait").textContent = turn.wait ? WAIT[turn.wait].note(turn.content.length > 0) : "";
   el.querySelector(".note").textContent = turn.note ?? "";
 }
 
@@ -360,12 +479,18 @@ function setBusy(busy) {
   document.body.classList.toggle("busy", busy);
 }
 
-async function stream(turn, chatStream) {
+async function stream(turn, chatStream, { resumed = false } = {}) {
   current = turn;
+  currentStream = chatStream;
   turn.id = chatStream.id;
   turn.status = "streaming";
   turn.note = "";
   turn.finish = "";
+  turn.wait = undefined;
+  progress.resumed = resumed;
+  progress.at = performance.now();
+  clearInterval(progress.ticker);
+  progress.ticker = setInterval(updateWait, 500);
   paint(turn);
   save();
   setBusy(true);
@@ -374,6 +499,7 @@ async function stream(turn, chatStream) {
       if (item.type === "reset") turn.content = "";
       else turn.content += item.text;
       if (chatStream.model) turn.model = chatStream.model;
+      if (item.type === "delta") progressed();
       schedulePaint(turn);
     }
     if (chatStream.model) turn.model = chatStream.model;
@@ -389,11 +515,22 @@ async function stream(turn, chatStream) {
     turn.status = "error";
     turn.note = `error: ${err.code ?? ""} ${err.message ?? err}`.trim();
   } finally {
+    clearInterval(progress.ticker);
+    stopReadinessWatch();
+    turn.wait = undefined;
     if (paintScheduled) cancelAnimationFrame(paintScheduled);
     paintScheduled = null;
+    // A reply followed to its end keeps its end in view: the note under it (cut at max tokens, stopped,
+    // an error) is part of the conversation, not something left under the message box.
+    const stick = nearBottom();
     paint(turn);
+    if (stick) scrollToEnd();
     save();
-    if (current === turn) current = null;
+    if (current === turn) {
+      current = null;
+      currentStream = null;
+    }
+    showWaitInStatus();
     setBusy(false);
     if (!coarse) ui.prompt.focus();
   }
@@ -478,7 +615,7 @@ function restore() {
   if (client && last && last.role === "assistant" && last.status === "streaming" && last.id) {
     // The page was reloaded mid-reply: replay that request from its start and follow it live.
     last.content = "";
-    stream(last, client.resume(last.id));
+    stream(last, client.resume(last.id), { resumed: true });
   }
   scrollToEnd();
 }
@@ -496,6 +633,6 @@ globalThis.tokenwireUI = {
   config,
   server,
   get turns() {
-    return turns.map(({ role, content, id, status, note, finish, model }) => ({ role, content, id, status, note, finish, model }));
+    return turns.map(({ role, content, id, status, note, finish, model, wait }) => ({ role, content, id, status, note, finish, model, wait: wait ?? null }));
   },
 };

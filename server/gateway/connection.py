@@ -277,6 +277,7 @@ class Connection:
                 server=self.core.name,
                 limits=self.core.limits(),
                 models=(await self.core.models.served()).names,
+                loading=await self.core.models.loading(),
             )
         )
         for i, point in enumerate(hello.resume, 1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -54,6 +55,9 @@ class ModelRegistry:
         self._served = Served(local, local[0] if local else None)
         self._at = 0.0
         self._lock = asyncio.Lock()
+        # serve: the models whose worker in this process has started. None: a cluster's gateway, which
+        # knows only what live workers advertise.
+        self.started: Callable[[], Iterable[str]] | None = None
 
     async def served(self, *, fresh: bool = False) -> Served:
         async with self._lock:
@@ -64,6 +68,18 @@ class ModelRegistry:
                     log.warning("models.refresh_failed", error=str(exc))
                 self._at = time.monotonic()
             return self._served
+
+    async def loading(self) -> tuple[str, ...]:
+        """``welcome.loading`` (SPEC §5): the served models that no worker serves yet, whose chats (and
+        the replies they were generating) wait in their queue until one does. serve: its own models
+        whose worker has not started (the model still loads). A cluster's gateway lists only the models
+        live workers advertise, so only the default can be missing: ``("default",)`` while no live
+        worker holds it."""
+        served = await self.served()
+        if self.started is not None:
+            up = set(self.started())
+            return tuple(n for n in served.names if n in self.local and n not in up)
+        return () if served.default is not None else (DEFAULT_ALIAS,)
 
     def _merge(self, advertised: dict[str, tuple[str, str]]) -> Served:
         default = self.local[0] if self.local else None

@@ -57,5 +57,15 @@ def test_accepted_model_and_welcome_models_round_trip() -> None:
         parse_server_frame({**w.to_wire(), "models": [1]})
 
 
+def test_welcome_loading_round_trips_and_is_left_out_when_empty() -> None:
+    w = Welcome(session="s", session_token="t", server="gw", models=("big",), loading=("big",))
+    assert w.to_wire()["loading"] == ["big"] and parse_server_frame(w.to_wire()) == w
+    plain = Welcome(session="s", session_token="t", server="gw", models=("big",))
+    assert "loading" not in plain.to_wire() and parse_server_frame(plain.to_wire()).loading == ()
+    assert parse_server_frame({**plain.to_wire(), "loading": None}).loading == ()
+    with pytest.raises(ProtocolError):
+        parse_server_frame({**w.to_wire(), "loading": "big"})
+
+
 def test_params_default_has_no_model() -> None:
     assert "model" not in Params().to_wire() and "fallback" not in Params().to_wire()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server import __version__
+from server.logs import FORMATS
 
 if TYPE_CHECKING:
     from server.app import ServeConfig
@@ -196,7 +197,8 @@ def _run(args: argparse.Namespace, main: Callable[[ServeConfig], Coroutine[Any, 
     from server.app import StartupError
     from server.logs import configure
 
-    configure(args.log_level)
+    # A cluster's child is told its name (server/cluster.py), so its JSON lines say whose they are.
+    configure(args.log_level, fmt=args.log_format, process=os.environ.get("TOKENWIRE_LOG_PROCESS"))
     warning = fallback_warning(args)
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -285,6 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", action="version", version=f"tokenwire {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
+    def log_format(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--log-format",
+            choices=FORMATS,
+            default=os.environ.get("TOKENWIRE_LOG_FORMAT") or "auto",
+            help="stderr's logs: console (readable lines), json (JSON lines) or auto: console on a "
+            "terminal, json otherwise (or $TOKENWIRE_LOG_FORMAT)",
+        )
+
     def common(p: argparse.ArgumentParser, *, redis_required: bool) -> None:
         p.add_argument(
             "--redis-url",
@@ -320,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             help="and at most this many bytes (the newest turn always stays; default 1 MiB)",
         )
         p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+        log_format(p)
 
     def sockets(p: argparse.ArgumentParser) -> None:
         p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -568,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--history-max-messages", type=int, default=64, help="messages a session's history keeps")
     k.add_argument("--history-max-bytes", type=int, default=1 << 20, help="bytes a session's history keeps")
     k.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    log_format(k)
     k.set_defaults(func=_cluster)
 
     c = sub.add_parser("chat", help="chat in the terminal with a running server", formatter_class=_Help)

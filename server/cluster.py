@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+from server.logs import resolve_format
+
 STOP_GRACE_S = 20.0
 
 
@@ -21,13 +23,15 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}" + ("" if n == 1 else "s")
 
 
-def _spawn(name: str, args: list[str], redis_url: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "server.cli", *args]
+def _spawn(name: str, args: list[str], redis_url: str, log_format: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "server.cli", *args, "--log-format", log_format]
     # The store's URL (it may hold a password) goes in the environment, not the command line other
-    # local users can read in ps. stdout is read for the "listening"/"ready" lines; stderr (the logs)
-    # goes straight to ours.
-    env = {**os.environ, "TOKENWIRE_REDIS_URL": redis_url}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+    # local users can read in ps. stdout is read for the "listening"/"ready" lines. stderr (the logs):
+    # readable lines are relayed with the child's name in front, as its stdout lines are; JSON lines go
+    # straight to ours, each naming its process (a prefix would make them invalid JSON).
+    env = {**os.environ, "TOKENWIRE_REDIS_URL": redis_url, "TOKENWIRE_LOG_PROCESS": name}
+    stderr = subprocess.PIPE if log_format == "console" else None
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1, env=env)
 
 
 def _relay(name: str, proc: subprocess.Popen[str], ready: threading.Event) -> None:
@@ -36,6 +40,12 @@ def _relay(name: str, proc: subprocess.Popen[str], ready: threading.Event) -> No
         print(f"[{name}] {line.rstrip()}", flush=True)
         if line.startswith(("tokenwire listening", "tokenwire ready")):
             ready.set()
+
+
+def _relay_logs(name: str, proc: subprocess.Popen[str]) -> None:
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        print(f"[{name}] {line.rstrip()}", file=sys.stderr, flush=True)
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -92,8 +102,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         args.log_level,
     ]
     procs: dict[str, subprocess.Popen[str]] = {}
+    log_format = resolve_format(args.log_format)  # the children's stderr is a pipe: decided here, once
     cpus = sorted(os.sched_getaffinity(0))
     readies: list[threading.Event] = []
+    relays: list[threading.Thread] = []  # the children's log relays: their last lines come out before ours
     stopping = threading.Event()
     failure = ""  # said last, once every child has stopped
     signals: list[int] = []
@@ -110,7 +122,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             wargs += ["--log-flush-ms", str(getattr(args, "log_flush_ms", 0.0))]
             for spec in args.model or ():
                 wargs += ["--model", spec]
-            procs[f"worker-{i}"] = proc = _spawn(f"worker-{i}", wargs, url)
+            procs[f"worker-{i}"] = proc = _spawn(f"worker-{i}", wargs, url, log_format)
             if args.pin_workers:
                 # Set before the child has imported torch, so its every thread inherits the one CPU.
                 os.sched_setaffinity(proc.pid, {cpus[i % len(cpus)]})
@@ -125,11 +137,15 @@ def run_cluster(args: argparse.Namespace) -> int:
                 "--port",
                 str(args.port + i),
             ]
-            procs[f"gateway-{i}"] = _spawn(f"gateway-{i}", gargs, url)
+            procs[f"gateway-{i}"] = _spawn(f"gateway-{i}", gargs, url, log_format)
         for name, proc in procs.items():
             ev = threading.Event()
             readies.append(ev)
             threading.Thread(target=_relay, args=(name, proc, ev), daemon=True).start()
+            if proc.stderr is not None:
+                t = threading.Thread(target=_relay_logs, args=(name, proc), daemon=True)
+                t.start()
+                relays.append(t)
         while not stopping.is_set() and not all(ev.is_set() for ev in readies):
             failed = [(n, p.returncode) for n, p in procs.items() if p.poll() is not None]
             if failed:
@@ -162,6 +178,8 @@ def run_cluster(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        for t in relays:
+            t.join(2.0)
         # The store stops last (it runs in its own session, out of Ctrl-C's reach): the workers drain
         # into it.
         if valkey is not None:

@@ -43,9 +43,11 @@ async def test_cluster_command_serves_on_every_gateway_and_stops_on_ctrl_c(
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "server.cli", "cluster", "--gateways", "2", "--workers", "2",
         "--port", str(port), "--redis-url", redis_url, "--key-prefix", prefix, "--model", str(tiny_model_dir),
-        "--pin-workers",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+        "--pin-workers", "--log-format", "console",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
+    assert proc.stderr is not None
+    logs = asyncio.create_task(proc.stderr.read())
     try:
         assert proc.stdout is not None
         lines = await _until_ready(proc.stdout)
@@ -75,7 +77,15 @@ async def test_cluster_command_serves_on_every_gateway_and_stops_on_ctrl_c(
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 60) == 130  # interrupted, as shells expect
         assert not [c for c in children if _alive(c)]
+        # One format: every child's log line readable (--log-format console, though its stderr is a
+        # pipe) and named like its stdout lines.
+        err = (await asyncio.wait_for(logs, 30)).decode().splitlines()
+        names = tuple(f"[{kind}-{i}] " for kind in ("gateway", "worker") for i in range(2))
+        assert [x for x in err if x and not x.startswith((*names, "tokenwire cluster"))] == [], err
+        assert any(x.startswith("[worker-0] ") and "[info     ] model.loaded" in x for x in err), err
+        assert not any(x.lstrip("[]-abcdefghijklmnopqrstuvwxyz0123456789 ").startswith("{") for x in err)
     finally:
+        logs.cancel()
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped: the error above counts
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import urllib.request
 from pathlib import Path
 
@@ -83,7 +84,8 @@ async def test_bad_frames_are_counted_by_code(server: Running) -> None:
 
 async def test_request_log_lines_are_bound_and_carry_no_text(server: Running) -> None:
     buf = io.StringIO()
-    configure("info", json=True)
+    handlers = logging.getLogger().handlers[:]
+    configure("info", fmt="json")
     structlog.configure(
         logger_factory=structlog.PrintLoggerFactory(file=buf), cache_logger_on_first_use=False
     )
@@ -93,6 +95,7 @@ async def test_request_log_lines_are_bound_and_carry_no_text(server: Running) ->
         await c.close()
     finally:
         structlog.reset_defaults()
+        logging.getLogger().handlers[:] = handlers
     lines = [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
     mine = [x for x in lines if x.get("request_id") == "logged"]
     events = {x["event"] for x in mine}

@@ -39,6 +39,7 @@ const ui = {
   topP: $("top-p"),
   maxTokens: $("max-tokens"),
   repetitionPenalty: $("repetition-penalty"),
+  frequencyPenalty: $("frequency-penalty"),
   seed: $("seed"),
   cache: $("cache"),
 };
@@ -53,13 +54,14 @@ const STATE_TEXT = {
   refused: "Not connected",
 };
 // Used only when the server's /config.json cannot be read (an old server): the server's own defaults.
-const FALLBACK_DEFAULTS = { temperature: 0.2, top_p: 0.9, max_tokens: 256, repetition_penalty: 1.2 };
+const FALLBACK_DEFAULTS = { temperature: 0, top_p: 0.9, max_tokens: 256, repetition_penalty: 1, frequency_penalty: 0.3 };
 // Settings fields: input element, params key, parse.
 const FIELDS = [
   { el: ui.temperature, key: "temperature", min: 0, max: 2 },
   { el: ui.topP, key: "top_p", min: 0.01, max: 1 },
   { el: ui.maxTokens, key: "max_tokens", min: 1, max: 8192, integer: true },
   { el: ui.repetitionPenalty, key: "repetition_penalty", min: 0.5, max: 2 },
+  { el: ui.frequencyPenalty, key: "frequency_penalty", min: -2, max: 2 },
 ];
 
 /** The server's config: sampling defaults, model name, the extra WebSocket origins it allows. */
@@ -359,7 +361,7 @@ document.addEventListener("keydown", (ev) => {
 });
 
 const d = config.defaults;
-ui.defaultsNote.textContent = `Server defaults: temperature ${d.temperature}, top p ${d.top_p}, max tokens ${d.max_tokens}, repetition penalty ${d.repetition_penalty}.`;
+ui.defaultsNote.textContent = `Server defaults: temperature ${d.temperature}, top p ${d.top_p}, max tokens ${d.max_tokens}, repetition penalty ${d.repetition_penalty}, frequency penalty ${d.frequency_penalty}.`;
 
 // ---------------------------------------------------------------------------------------- conversation
 

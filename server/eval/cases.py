@@ -9,7 +9,10 @@ assistant's turn written out, so every setting is asked the same last question.
 
 from __future__ import annotations
 
+import html
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from server.eval.checks import (
     Check,
@@ -25,6 +28,7 @@ from server.eval.checks import (
 )
 
 KINDS = ("fact", "arithmetic", "code", "format", "recall")
+UI_PAGE = Path(__file__).resolve().parents[2] / "client_js" / "ui" / "index.html"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +136,8 @@ CASES: tuple[Case, ...] = (
         "List three fruits as a bulleted list, one fruit per line.",
         bullets(3),
     ),
-    _ask("cook-tips", "format", "Give me three tips for learning to cook.", bullets(3)),  # a UI example
+    # The UI's example until this eval: three list items, each titled "**101:101:101**". Kept to show it.
+    _ask("cook-tips", "format", "Give me three tips for learning to cook.", bullets(3)),
     _ask("short-answer", "format", "In fewer than 20 words: why do people sleep?", word_count(1, 19)),
     _ask(
         "upper-case",
@@ -199,3 +204,10 @@ CASES: tuple[Case, ...] = (
         "age", "I am 25 years old.", "Thanks for telling me!", "How old am I?", contains("25", "twenty-five")
     ),
 )
+
+
+def ui_examples(page: Path = UI_PAGE) -> list[str]:
+    """The example prompts of the browser UI's empty state: each is also a case, so the eval scores
+    what a newcomer clicks first (tests/eval/test_checks.py holds them to it)."""
+    buttons = re.findall(r'<button[^>]*class="example"[^>]*>(.*?)</button>', page.read_text(), re.DOTALL)
+    return [html.unescape(b.strip()) for b in buttons]

@@ -1046,7 +1046,23 @@ def _render_eval(ev: dict[str, Any]) -> list[str]:
         render(ev["scores"], chosen, now),
         "",
         f"Verdict: {verdict}.",
+        *_ui_examples_line(ev["scores"], chosen),
     ]
+
+
+def _ui_examples_line(scores: list[dict[str, Any]], chosen: str | None) -> list[str]:
+    """How the chosen setting did on the browser UI's example prompts (each is a case)."""
+    from server.eval.cases import CASES, ui_examples
+
+    row = next((s for s in scores if s["setting"] == chosen), None)
+    if row is None or "by_case" not in row:
+        return []
+    name = {c.messages[0][1]: c.name for c in CASES if len(c.messages) == 1}
+    said = []
+    for q in ui_examples():
+        passed, asked = row["by_case"].get(name.get(q, ""), (0, 0))
+        said.append(f"“{q}” {passed} of {asked}" if asked else f"“{q}” not asked")
+    return ["", "The browser UI's example prompts, passed under the chosen setting: " + "; ".join(said) + "."]
 
 
 def _render_start(st: dict[str, Any]) -> list[str]:

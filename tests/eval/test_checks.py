@@ -125,3 +125,12 @@ def test_the_code_cases_pass_a_right_answer() -> None:
     for name, answer in right.items():
         assert code[name].check(f"```python\n{answer}\n```"), name
         assert not code[name].check("```python\ndef nothing():\n    pass\n```"), name
+
+
+def test_every_ui_example_is_a_case() -> None:
+    from server.eval.cases import ui_examples
+
+    examples = ui_examples()
+    assert len(examples) == 3
+    questions = {c.messages[0][1] for c in CASES if len(c.messages) == 1}
+    assert set(examples) <= questions, set(examples) - questions

@@ -139,5 +139,6 @@ def test_benchmarks_md_says_whether_the_defaults_are_the_chosen_setting() -> Non
         in text
     )
     assert "are the chosen setting" in text
+    assert "example prompts" not in text  # these rows carry no per-case figures
     text = "\n".join(_render_eval({**ev, "server_defaults": "t=0.2"}))
     assert "**the server's defaults (t=0.2) are not the chosen setting (greedy)**" in text

@@ -6,9 +6,10 @@ Chosen by ``tokenwire eval`` (server/eval/: 41 prompts with a check a program ru
 settings, the best pass rate among settings whose replies loop at most 2% of the time), on the default
 SmolLM2-135M-Instruct; BENCHMARKS.md's "Sampling defaults" section has the table of the run. There,
 greedy decoding with a frequency penalty of 0.3 passed 53.7% with no loop; the defaults before it
-(temperature 0.2, top-p 0.9, repetition penalty 1.2) passed 24.4%. The repetition penalty divides the
+(temperature 0.2, top-p 0.9, repetition penalty 1.2) passed 26.0% (24.4% in an earlier run: sampled
+settings move by a few points between runs, greedy ones not at all). The repetition penalty divides the
 logit of every token in the prompt too (the chat template's end-of-turn token included), so at 1.2 the
-model rambled to max_tokens on a third of its replies; the frequency penalty counts only the reply's own
+model rambled to max_tokens on over a third of its replies; the frequency penalty counts only the reply's own
 tokens. Plain greedy passed about as often but looped on 3 of its 41 replies.
 
 The top-p default only matters to a client that raises the temperature: it is what SmolLM2's model card

@@ -270,14 +270,21 @@ def load_engine(
     kv_budget_mb: int | None = None,
 ) -> tuple[Any, Any]:
     """Load the model and build its engine (the one place that picks the engine implementation):
-    ``(loaded model, engine not yet started)``. Blocking: seconds."""
+    ``(loaded model, engine not yet started)``. Blocking: seconds. The work runs in a thread that ends,
+    so that the engine's thread is the only one holding an OpenMP pool (server/engine/threads.py)."""
     from server.engine.engine import engine_for
     from server.engine.model import load_model
+    from server.engine.threads import in_own_thread
 
-    loaded = load_model(model, device=device, dtype=dtype)
-    overrides = {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {}
-    # Batching for Llama-family models, SimpleEngine for the rest. Serving keeps one copy of the weights.
-    engine = engine_for(loaded, fair=scheduling != "fifo", one_copy=True, **overrides)
+    def load() -> tuple[Any, Any]:
+        loaded = load_model(model, device=device, dtype=dtype)
+        overrides = {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {}
+        # Batching for Llama-family models, SimpleEngine for the rest. Serving keeps one copy of the
+        # weights.
+        engine = engine_for(loaded, fair=scheduling != "fifo", one_copy=True, **overrides)
+        return loaded, engine
+
+    loaded, engine = in_own_thread(load, "tokenwire-load")
     trim_heap()  # the start's temporaries (GGUF conversion, the dtype measurement) back to the OS
     return loaded, engine
 

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,6 +37,9 @@ from server.engine.machine import cpu_info, cpu_line
 from server.engine.model import load_model, pick_device
 from server.engine.profile import StepRecord
 from server.engine.runner import kv_bytes_per_token
+from server.engine.threads import in_own_thread
+
+T = TypeVar("T")
 
 BASELINES = ("padded_loop", "static", "hf_cb")
 
@@ -63,13 +66,18 @@ def main(
     dev = pick_device(device)
     cpu = cpu_info()
     echo(cpu_line(cpu))
-    loaded = (
-        random_model(random_weights, dev, dtype)
-        if random_weights
-        else load_model(model, device=dev, dtype=dtype)
+    # Every piece of torch work below runs in a thread that ends, so that whichever path runs next
+    # (the engine in its own thread) finds no other thread holding an OpenMP pool, as in the server
+    # (server/engine/threads.py): a pool left behind here slowed the engine's small steps by a quarter.
+    loaded = _own(
+        lambda: (
+            random_model(random_weights, dev, dtype)
+            if random_weights
+            else load_model(model, device=dev, dtype=dtype)
+        )
     )
     dtype_name = str(loaded.dtype).removeprefix("torch.")
-    reqs = workload(loaded, requests, seed, random_ids=bool(random_weights))
+    reqs = _own(lambda: workload(loaded, requests, seed, random_ids=bool(random_weights)))
     echo(
         f"tokenwire bench: {loaded.name} on {dev}, {loaded.dtype_note or dtype_name}; {len(reqs)} requests, "
         f"prompts {min(len(r.prompt_ids) for r in reqs)}-{max(len(r.prompt_ids) for r in reqs)} tokens, "
@@ -87,24 +95,27 @@ def main(
         if name not in paths:
             continue
         try:
-            res = _poisson(loaded, reqs, results, seed) if name == "engine_poisson" else runners[name]()
+            run = (
+                (lambda: _poisson(loaded, reqs, results, seed)) if name == "engine_poisson" else runners[name]
+            )
+            res = _own(run)
         except Exception as exc:  # reported, and it fails the bench
             res = PathResult(note=f"FAILED: {type(exc).__name__}: {exc}"[:300])
             results["failed"].append(name)
         results[name] = asdict(res)
         echo(_row(name, res))
     if step_log:
-        _floor(loaded, step_log, results, echo, profile=profile)
+        _own(lambda: _floor(loaded, step_log, results, echo, profile=profile))
     if "engine" in paths and len(reqs) > 1 and "engine" not in results["failed"]:
-        lj = run_late_join(loaded, reqs)
+        lj = _own(lambda: run_late_join(loaded, reqs))
         results["late_join"] = lj
         echo(
             f"late arrival while {lj['running']} decode: TTFT {lj['ttft_ms']} ms; its prefill alone "
             f"{lj['prefill_alone_ms']} ms + 2 decode steps of {lj['decode_step_ms']} ms = {lj['bound_ms']} ms"
         )
     if turns:
-        reuse = run_turns(loaded, turns, reuse=True)
-        no_reuse = run_turns(loaded, turns, reuse=False)
+        reuse = _own(lambda: run_turns(loaded, turns, reuse=True))
+        no_reuse = _own(lambda: run_turns(loaded, turns, reuse=False))
         results["turns"] = {"reuse": reuse, "no_reuse": no_reuse}
         echo(f"TTFT per turn, prefix reuse (ms):    {reuse}")
         echo(f"TTFT per turn, no prefix reuse (ms): {no_reuse}")
@@ -115,6 +126,17 @@ def main(
         Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
         echo(f"wrote {json_path}")
     return results
+
+
+def _own(fn: Callable[[], T]) -> T:
+    """``fn()`` in a thread that ends (server/engine/threads.py), without autograd (a thread's own
+    setting: ``torch.set_grad_enabled`` above holds for this thread only)."""
+
+    def run() -> T:
+        with torch.no_grad():
+            return fn()
+
+    return in_own_thread(run)
 
 
 def _poisson(loaded: Any, reqs: Any, results: dict[str, Any], seed: int) -> PathResult:

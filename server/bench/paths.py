@@ -37,6 +37,7 @@ from server.engine.api import GenerationRequest, SamplingParams, StepOutput
 from server.engine.engine import BatchingEngine
 from server.engine.model import LoadedModel
 from server.engine.profile import StepProfile, StepRecord
+from server.engine.threads import in_own_thread
 
 PATHS = ("padded_loop", "static", "hf_cb", "engine", "engine_poisson")
 OUT_MIN, OUT_MAX = 16, 128
@@ -416,7 +417,9 @@ def _engine(
     engine_kw: dict[str, Any] | None,
     step_log: list[StepRecord] | None,
 ) -> PathResult:
-    engine = BatchingEngine(loaded, **(engine_kw or {}))
+    # Built (weights packed) in a thread that ends: the engine's thread must be the only one holding an
+    # OpenMP pool while it runs (server/engine/threads.py).
+    engine = in_own_thread(lambda: BatchingEngine(loaded, **(engine_kw or {})))
     steps: queue.Queue[tuple[float, list[StepOutput]]] = queue.Queue()
     engine.start(lambda outs: steps.put((time.perf_counter(), outs)))
     try:
@@ -486,7 +489,7 @@ def run_late_join(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> dict[str
 
 
 def _late_join(loaded: LoadedModel, reqs: Sequence[BenchRequest]) -> dict[str, float]:
-    engine = BatchingEngine(loaded)
+    engine = in_own_thread(lambda: BatchingEngine(loaded))  # as in _engine
     steps: queue.Queue[tuple[float, list[StepOutput]]] = queue.Queue()
     engine.start(lambda outs: steps.put((time.perf_counter(), outs)))
 
@@ -538,7 +541,7 @@ def run_turns(loaded: LoadedModel, turns: int, *, reuse: bool, repeats: int = 3)
 
 
 def _session(loaded: LoadedModel, turns: int, *, reuse: bool, reply_tokens: int = 48) -> list[float]:
-    engine = BatchingEngine(loaded, prefix_reuse=reuse)
+    engine = in_own_thread(lambda: BatchingEngine(loaded, prefix_reuse=reuse))  # as in _engine
     steps: queue.Queue[tuple[float, list[StepOutput]]] = queue.Queue()
     engine.start(lambda outs: steps.put((time.perf_counter(), outs)))
     messages: list[dict[str, str]] = []

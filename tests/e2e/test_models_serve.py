@@ -3,6 +3,7 @@ Llama folders): both are listed (welcome.models, GET /v1/models) and a chat nami
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol import Accepted, Done, Error, Params
+from protocol import Accepted, Cancel, Chat, Done, Error, Message, Params
 from server.client import Client
 from tests.conftest import delete_prefix
 from tests.e2e.serve_process import ServeProcess
@@ -110,3 +111,69 @@ async def test_cluster_gateway_lists_the_models_its_workers_hold(
     finally:
         assert worker.stop() == 0, worker.stderr_path.read_text()[-2000:]
         assert gateway.stop() == 0, gateway.stderr_path.read_text()[-2000:]
+
+
+async def test_the_readmes_fallback_command_moves_chats_past_its_trigger(
+    tiny_model_dir: Path, peaky_model_dir: Path, tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    """README "Several models": ``--fallback smol=tiny --degrade-queue-depth 8``. Past 8 chats waiting
+    for smol, new chats are accepted by tiny (issue 29: --fallback alone never moved one)."""
+    p = ServeProcess(
+        [
+            *["--model", f"smol={tiny_model_dir}", "--model", f"tiny={peaky_model_dir}"],
+            *["--fallback", "smol=tiny", "--degrade-queue-depth", "8"],
+            *["--redis-url", redis_url, "--key-prefix", prefix],
+        ],
+        tmp_path,
+    )
+    url = p.start()
+    clients: list[Client] = []
+    try:
+        _until(lambda: _http(url, "/readyz")[0] == 200, "both models loaded")
+        # 96 long chats on 6 connections (a connection's burst is 20 chats): the worker runs 64 at once,
+        # the rest wait in smol's queue, well past 8, for seconds (each reply is 400 tokens).
+        clients = [await Client.connect(url) for _ in range(7)]
+        load = Params(max_tokens=400, temperature=0.0, cache=False)
+        story = (Message("user", "tell me a long story"),)
+        for i, c in enumerate(clients[:6]):
+            for j in range(16):  # messages mode: a session's content-mode turns would run one by one
+                await c.send(Chat(id=f"load-{i}-{j}", messages=story, params=load))
+        first = [await _accepted(c, 16) for c in clients[:6]]
+        assert all(m == "smol" for ms in first for m in ms[:1])  # the first ones, before the queue grew
+        await asyncio.sleep(1.2)  # the gateway reads the queue depth again after a second
+        late = clients[6]
+        hello = (Message("user", "hello"),)
+        for j in range(4):
+            await late.send(Chat(id=f"late-{j}", messages=hello, params=Params(max_tokens=3, cache=False)))
+        moved = await _accepted(late, 4)
+        assert "tiny" in moved, moved
+        # The load is done with: cancelled, and read to its ends, so that the server stops at once and
+        # the connections close without deltas queued behind their close handshakes.
+        for i, c in enumerate(clients[:6]):
+            for j in range(16):
+                await c.send(Cancel(id=f"load-{i}-{j}"))
+        for c in clients[:6]:
+            await _dones(c, 16)
+    finally:
+        for c in clients:
+            await c.close()
+        assert p.stop() == 0, p.stderr_path.read_text()[-2000:]
+
+
+async def _accepted(c: Client, n: int) -> list[str | None]:
+    """The models of the next ``n`` ``accepted`` frames on ``c`` (other frames skipped)."""
+    models: list[str | None] = []
+    while len(models) < n:
+        f = await asyncio.wait_for(c.recv(), 60)
+        assert not isinstance(f, Error), f
+        if isinstance(f, Accepted):
+            models.append(f.model)
+    return models
+
+
+async def _dones(c: Client, n: int) -> None:
+    """Read ``c``'s frames until ``n`` of its requests have ended (``done``)."""
+    ended = 0
+    while ended < n:
+        f = await asyncio.wait_for(c.recv(), 60)
+        ended += isinstance(f, Done)

@@ -986,7 +986,7 @@ def _render_coalesce(c: dict[str, Any]) -> list[str]:
         "| workload | deltas | bytes / token | vs SSE chunk | frames per reply | tokens per frame | tok/s |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    judged: tuple[float, float] | None = None
+    judged: tuple[float, float, float | None] | None = None
     for tag, name in (("alone_", "one user"), ("", "32 users")):
         plain, gathered = c.get(f"{tag}ms0"), c.get(f"{tag}ms{COALESCE_MS}")
         if plain is None or gathered is None:
@@ -1002,15 +1002,23 @@ def _render_coalesce(c: dict[str, Any]) -> list[str]:
             )
         g = gathered["wire"]["measured"]["msgpack"]
         if judged is None:
-            judged = (g["wire_per_token"] / sse, g["tokens"] / max(1, g["frames"]))
+            speed = plain["tokens"].get("per_s") if isinstance(plain.get("tokens"), dict) else None
+            judged = (g["wire_per_token"] / sse, g["tokens"] / max(1, g["frames"]), speed)
     if judged is not None:
-        ratio, per_frame = judged
+        ratio, per_frame, speed = judged
         lines += [
             "",
             f"Targets (issue 27), at the model's speed (the first workload): ≤ 0.12x the SSE chunk: "
             f"{'met' if ratio <= 0.12 else '**missed**'} ({ratio:.3f}x); frames per reply ≤ 1/5 of its "
             f"tokens: {'met' if per_frame >= 5 else '**missed**'} ({per_frame:.2f} tokens per frame).",
         ]
+        if speed:
+            window = speed * COALESCE_MS / 1000
+            lines.append(
+                f"At this machine's model speed ({speed:.1f} tok/s for one stream) a {COALESCE_MS} ms window "
+                f"holds at most {window:.1f} tokens, so 5 tokens a frame needs a stream of "
+                f"{5000 / COALESCE_MS:.0f} tok/s or more."
+            )
     return lines
 
 

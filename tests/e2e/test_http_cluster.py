@@ -76,9 +76,15 @@ async def _reference(ws_url: str) -> list[str]:
         text, _, done, errors = await collect(
             c.chat(
                 messages=[{"role": "user", "content": _input(i)}],
-                # An OpenAI call that sets temperature samples without the server's repetition penalty
-                # (SPEC §15.3): the WebSocket reference asks for the same.
-                params=Params(max_tokens=MAX_TOKENS, temperature=0, repetition_penalty=1.0, cache=False),
+                # An OpenAI call that sets temperature samples without the server's default penalties
+                # (SPEC §15.2): the WebSocket reference asks for the same.
+                params=Params(
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    repetition_penalty=1.0,
+                    frequency_penalty=0.0,
+                    cache=False,
+                ),
             )
         )
         await c.close()

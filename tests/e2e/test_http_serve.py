@@ -103,9 +103,9 @@ async def test_chat_stream_and_plain_agree_and_the_seed_decides(client: AsyncOpe
     )
     assert other.choices[0].message.content != text
     # The WebSocket on the same port gives the same text for the same request (an OpenAI call that sets
-    # temperature samples without the server's default repetition penalty, SPEC §15.3).
+    # temperature samples without the server's default penalties, SPEC §15.2).
     c = await Client.connect(served)
-    params = Params(max_tokens=24, temperature=0.9, seed=7, repetition_penalty=1.0)
+    params = Params(max_tokens=24, temperature=0.9, seed=7, repetition_penalty=1.0, frequency_penalty=0.0)
     ws_text, _, done, errors = await collect(c.chat(messages=msgs, params=params))
     await c.close()
     assert errors == [] and done is not None and ws_text == text

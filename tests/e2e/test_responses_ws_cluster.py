@@ -128,7 +128,9 @@ async def _reference(ws_url: str) -> list[str]:
 
     async def one(i: int) -> str:
         c = await Client.connect(ws_url)
-        params = Params(max_tokens=MAX_TOKENS, temperature=0, repetition_penalty=1.0, cache=False)
+        params = Params(
+            max_tokens=MAX_TOKENS, temperature=0, repetition_penalty=1.0, frequency_penalty=0.0, cache=False
+        )
         try:
             chat = c.chat(messages=[{"role": "user", "content": _input(i)}], params=params)
             text, _, done, errors = await collect(chat)

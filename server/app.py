@@ -318,20 +318,21 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles, index: int = 0) -> Any
         route="" if index == 0 else name,
     )
     await worker.start()
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    print(f"tokenwire ready: model {name} on {loaded.device} in {dtype} (worker {worker.name})", flush=True)
+    print(
+        f"tokenwire ready: model {name} on {loaded.device} in {loaded.dtype_name} (worker {worker.name})",
+        flush=True,
+    )
     return worker
 
 
-async def start_workers(cfg: ServeConfig, h: StoreHandles, started: list[Any] | None = None) -> list[Any]:
-    """A worker per model, loaded one after another (the default model first). If one fails to start,
-    those already started are stopped. ``started`` gets each worker as soon as it runs."""
-    workers: list[Any] = []
+async def start_workers(cfg: ServeConfig, h: StoreHandles, workers: list[Any] | None = None) -> list[Any]:
+    """A worker per model, loaded one after another (the default model first), appended to ``workers``
+    (a new list if None) as each starts, so the caller sees them before all have. If one fails to start,
+    those already started are stopped."""
+    workers = [] if workers is None else workers
     try:
         for i in range(len(model_specs(cfg))):
             workers.append(await start_worker(cfg, h, i))
-            if started is not None:
-                started.append(workers[-1])
     except BaseException:
         for w in workers:
             with contextlib.suppress(Exception):

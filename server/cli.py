@@ -291,9 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--log-format",
             choices=FORMATS,
-            default=os.environ.get("TOKENWIRE_LOG_FORMAT") or "auto",
             help="stderr's logs: console (readable lines), json (JSON lines) or auto: console on a "
-            "terminal, json otherwise (or $TOKENWIRE_LOG_FORMAT)",
+            "terminal, json otherwise (default: $TOKENWIRE_LOG_FORMAT, else auto; server/logs.py)",
         )
 
     def common(p: argparse.ArgumentParser, *, redis_required: bool) -> None:

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 from server.logs import resolve_format
 
@@ -34,18 +35,13 @@ def _spawn(name: str, args: list[str], redis_url: str, log_format: str) -> subpr
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1, env=env)
 
 
-def _relay(name: str, proc: subprocess.Popen[str], ready: threading.Event) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        print(f"[{name}] {line.rstrip()}", flush=True)
-        if line.startswith(("tokenwire listening", "tokenwire ready")):
+def _relay(name: str, lines: IO[str], out: IO[str], ready: threading.Event | None = None) -> None:
+    """A child's lines onto ours with its name in front: its stdout (``ready`` set by its listening or
+    ready line) or its readable logs."""
+    for line in lines:
+        print(f"[{name}] {line.rstrip()}", file=out, flush=True)
+        if ready is not None and line.startswith(("tokenwire listening", "tokenwire ready")):
             ready.set()
-
-
-def _relay_logs(name: str, proc: subprocess.Popen[str]) -> None:
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        print(f"[{name}] {line.rstrip()}", file=sys.stderr, flush=True)
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -141,9 +137,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         for name, proc in procs.items():
             ev = threading.Event()
             readies.append(ev)
-            threading.Thread(target=_relay, args=(name, proc, ev), daemon=True).start()
+            assert proc.stdout is not None
+            threading.Thread(target=_relay, args=(name, proc.stdout, sys.stdout, ev), daemon=True).start()
             if proc.stderr is not None:
-                t = threading.Thread(target=_relay_logs, args=(name, proc), daemon=True)
+                t = threading.Thread(target=_relay, args=(name, proc.stderr, sys.stderr), daemon=True)
                 t.start()
                 relays.append(t)
         while not stopping.is_set() and not all(ev.is_set() for ev in readies):

@@ -76,7 +76,7 @@ def main(
             else load_model(model, device=dev, dtype=dtype)
         )
     )
-    dtype_name = str(loaded.dtype).removeprefix("torch.")
+    dtype_name = loaded.dtype_name
     reqs = _own(lambda: workload(loaded, requests, seed, random_ids=bool(random_weights)))
     echo(
         f"tokenwire bench: {loaded.name} on {dev}, {loaded.dtype_note or dtype_name}; {len(reqs)} requests, "

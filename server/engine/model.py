@@ -54,6 +54,11 @@ class LoadedModel:
     _prompter: ChatPrompter | None = field(default=None, repr=False)
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype as people write it: ``float32``, ``bfloat16``."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def prompter(self) -> ChatPrompter:
         """The chat template and tokenizer as prompt.py uses them (content tokenised as plain text)."""
         if self._prompter is None:

@@ -82,10 +82,6 @@ def _reply_json(r: Reply) -> dict[str, object]:
     }
 
 
-def _dtype(loaded: Any) -> str:
-    return str(loaded.dtype).removeprefix("torch.")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -103,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
 
     use_threads(args.threads)
     loaded, engine = load_engine(args.model, device=args.device, dtype=args.dtype)
+    cpu = cpu_info()
     replies = plan(settings, cases, args.seeds)
     print(
         f"tokenwire eval: {len(cases)} cases x {len(settings)} settings = {len(replies)} replies, model "
-        f"{loaded.name} on {loaded.device} in {_dtype(loaded)}; {cpu_line(cpu_info())}",
+        f"{loaded.name} on {loaded.device} in {loaded.dtype_name}; {cpu_line(cpu)}",
         file=sys.stderr,
         flush=True,
     )
@@ -130,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             print(r.text)
     now = server_defaults()
     now_name = next((s.setting.name for s in scores if s.setting.same_as(now)), None)
-    print(render([s.as_json() for s in scores], chosen.setting.name if chosen else None, now_name))
+    table = [s.as_json() for s in scores]
+    print(render(table, chosen.setting.name if chosen else None, now_name))
     if chosen is None:
         print(f"\nno setting loops on at most {LOOP_LIMIT:.0%} of its replies; none chosen")
     else:
@@ -142,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(
                 {
                     "model": loaded.name,
-                    "cpu": cpu_info(),
+                    "cpu": cpu,
                     "device": loaded.device,
-                    "dtype": _dtype(loaded),
+                    "dtype": loaded.dtype_name,
                     "cases": len(cases),
                     "seeds": args.seeds,
                     "max_tokens": args.max_tokens,
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     "seconds": round(seconds, 1),
                     "chosen": chosen.setting.name if chosen else None,
                     "server_defaults": now_name,
-                    "scores": [s.as_json() for s in scores],
+                    "scores": table,
                     "replies": [_reply_json(r) for r in replies],
                 },
                 indent=1,

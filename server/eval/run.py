@@ -235,10 +235,8 @@ def choose(scores: Sequence[Score], loop_limit: float = LOOP_LIMIT) -> Score | N
     replies; a tie goes to fewer loops, then to the earlier setting of the grid. None when every setting
     loops more than that."""
     ok = [s for s in scores if s.loop_rate <= loop_limit]
-    if not ok:
-        return None
-    order = {id(s): i for i, s in enumerate(scores)}
-    return min(ok, key=lambda s: (-s.passed / s.replies, s.loop_rate, order[id(s)]))
+    # min keeps the first of equal keys: a full tie goes to the earlier setting.
+    return min(ok, key=lambda s: (-s.pass_rate, s.loop_rate), default=None)
 
 
 def settings_named(spec: str) -> list[Setting]:

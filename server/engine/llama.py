@@ -11,6 +11,8 @@ Shapes: T tokens in the step, D hidden size, H query heads, KV key/value heads, 
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from server.engine.mapped import map_like
 from server.engine.profile import Lap, no_lap
 
 Tensor = torch.Tensor
@@ -216,8 +219,9 @@ class ReleasedLinear(torch.nn.Module):
 def release_model_linears(model: Any, weights: Weights) -> tuple[Weights, int]:
     """Keep one copy of the weights: the model's linear layers that live on as packed copies only are
     replaced by ``ReleasedLinear`` (their tensors freed), and what the forward still reads of the model
-    (embedding, norms, biases) is copied out of the checkpoint's file mapping into memory of its own.
-    transformers maps a
+    (norms, biases) is copied out of the checkpoint's file mapping into memory of its own; the embedding
+    is mapped on its own from the checkpoint file where it holds the same numbers (mapped.py), else copied
+    too. transformers maps a
     safetensors file and its tensors are views of that mapping: while one of them lives (the embedding),
     every page of the file the packing read stays resident. Returns the weights to run (the same
     numbers, now in those copies) and the bytes of model tensors released.
@@ -243,10 +247,14 @@ def release_model_linears(model: Any, weights: Weights) -> tuple[Weights, int]:
         # Not a meta weight: F.linear on a CPU input and a meta weight returns uninitialised memory.
         setattr(parent, name, ReleasedLinear(int(w.shape[1]), int(w.shape[0])))
     moved: dict[int, Tensor] = {}
-    for p in model.parameters():  # tied parameters come once
+    folder = getattr(model, "name_or_path", "")
+    for name, p in model.named_parameters():  # tied parameters come once
         if p.device.type == "cpu":
             old = p.data_ptr()
-            p.data = p.data.clone()
+            # The embedding: a table a step reads a few rows of, so mapped from the checkpoint where it
+            # holds the same numbers (mapped.py: resident only where read); anything else a copy.
+            table = map_like(folder, name, p.data) if old == embed.data_ptr() and folder else None
+            p.data = table if table is not None else p.data.clone()
             moved[old] = p.data
     if not moved:
         return weights, freed
@@ -334,7 +342,29 @@ def zeroed(size: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
     for d in size:
         n *= d
     raw = torch.from_numpy(np.zeros(n * itemsize, dtype=np.uint8))
+    _no_huge_pages(raw)
     return raw.view(dtype).view(size)
+
+
+MADV_NOHUGEPAGE = 15  # Linux's madvise advice (asm-generic/mman-common.h)
+
+
+def _no_huge_pages(t: Tensor) -> None:
+    """Ask Linux for 4 KiB pages under ``t``. numpy advises huge pages for any large array, so a write
+    to one KV row made a whole 2 MiB page resident: after one short chat a cache of 60 (layer, K/V)
+    regions held 120 MiB. Elsewhere (not Linux, no libc), nothing."""
+    import ctypes
+    import ctypes.util
+
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    first = -(-start // page) * page  # madvise wants a page-aligned start: the whole pages inside
+    length = (start + t.numel() * t.element_size() - first) // page * page
+    if length <= 0:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), MADV_NOHUGEPAGE)
 
 
 class Cache:

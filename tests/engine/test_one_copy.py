@@ -13,6 +13,7 @@ from server.engine import llama
 from server.engine.api import SamplingParams
 from server.engine.model import load_model
 from server.engine.runner import Runner
+from tests.engine.test_mapped import _mapping_of
 from tests.engine.test_runner import PROMPTS, Req, chat, drive
 
 
@@ -24,6 +25,21 @@ def _rss_anon_kib() -> int:
     pytest.skip("no RssAnon in /proc/self/status")
 
 
+def _vm_flags(t: torch.Tensor) -> list[str]:
+    """VmFlags of the mapping holding the middle of ``t`` (/proc/self/smaps)."""
+    addr = t.data_ptr() + t.numel() * t.element_size() // 2
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
 def test_the_kv_cache_is_zero_and_costs_no_memory_until_written() -> None:
     before = _rss_anon_kib()
     t = llama.zeroed((8, 2, 1 << 20, 16), torch.float32, "cpu")  # 1 GiB
@@ -33,6 +49,10 @@ def test_the_kv_cache_is_zero_and_costs_no_memory_until_written() -> None:
     assert grown < 64 * 1024, f"a 1 GiB zeroed cache made {grown} KiB resident before any write"
     t[0, 0, :1024].fill_(1.5)
     assert float(t[0, 0, :1024].sum()) == 1.5 * 1024 * 16
+    # 4 KiB pages, not huge ones: numpy advises huge pages for large arrays, and then one written KV row
+    # made 2 MiB resident.
+    if Path("/proc/self/smaps").exists():
+        assert "nh" in _vm_flags(t), "the cache's pages may be huge: a write makes 2 MiB resident"
     b = llama.zeroed((4, 6), torch.bfloat16, "cpu")
     assert b.dtype == torch.bfloat16 and b.shape == (4, 6) and not b.any()
 
@@ -54,6 +74,10 @@ def test_one_copy_gives_the_same_tokens_and_releases_the_model_linears(tiny_mode
     assert runner.weights.layers[0].qkv.w.device.type == "meta"  # the fused plain copy is gone too
     # What the forward still reads of the model is the model's (moved) tensor, not a stale view.
     assert runner.weights.embed.data_ptr() == served.model.model.embed_tokens.weight.data_ptr()
+    # The embedding (tied to the LM head, which lives on packed) is read from the checkpoint file's mapping.
+    assert torch.equal(runner.weights.embed, kept.model.model.embed_tokens.weight)
+    if Path("/proc/self/maps").exists():
+        assert str(tiny_model_dir / "model.safetensors") in _mapping_of(runner.weights.embed)
     with pytest.raises(RuntimeError, match="released"):  # a shell now: an error, never numbers
         served.model(input_ids=torch.tensor([[1, 2, 3]]))
 

@@ -57,7 +57,8 @@ pytest: $(STAMP) $(JS_STAMP)
 test: lint typecheck pytest
 
 # Every benchmark the README lists under Benchmarks (an hour or more on 2 cores), section by section; rewrites
-# BENCHMARKS.md. BENCH_ONLY=e2e,soak re-runs only those sections and keeps the rest from .bench/.
+# BENCHMARKS.md and CAPACITY.md (the capacity model on those runs). BENCH_ONLY=e2e,soak re-runs only those
+# sections and keeps the rest from .bench/.
 bench: $(STAMP)
 	$(PY) -m server.load.benchmarks --out BENCHMARKS.md --work .bench $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
 

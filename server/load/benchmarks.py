@@ -531,6 +531,12 @@ def main(argv: list[str] | None = None) -> int:
     (work / "all.json").write_text(json.dumps(results, indent=2))
     args.out.write_text(render(results, quick=args.quick))
     print(f"wrote {args.out} (raw results in {work})", flush=True)
+    # CAPACITY.md beside it: the capacity model's default load, sized from the sections just saved
+    # (issue 28: generated from this machine's runs, never edited by hand).
+    from server.load import capacity
+
+    if capacity.load_sections(work):
+        capacity.main(["--bench-dir", str(work), "--markdown", str(args.out.with_name("CAPACITY.md"))])
     return 0
 
 
@@ -1304,6 +1310,18 @@ STORE_BEFORE: dict[str, Any] = {
 STORE_FLUSH_MS = 250
 
 
+def _net_verdict(net: dict[str, Any] | None, targets: dict[str, float]) -> str:
+    """The store targets judged on the per-token figures net of the idle loops, for the Targets line."""
+    if not net:
+        return ""
+    pairs = (("commands_per_token", "commands"), ("us_per_token", "us"), ("bytes_per_token", "bytes_in"))
+    verdicts = [
+        f"{k.replace('_', ' ')} {'met' if net.get(n) is not None and net[n] <= targets[k] else '**missed**'}"
+        for k, n in pairs
+    ]
+    return "; net of the idle loops: " + ", ".join(verdicts)
+
+
 def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> list[str]:
     s, t, cfg = sc["store"], sc["targets"], sc["config"]
     before = STORE_BEFORE["store"]
@@ -1342,6 +1360,26 @@ def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> li
     if by:
         lines += ["", "Commands per token, now, by name: " + ", ".join(f"{k} {v:g}" for k, v in by) + "."]
     pr, rs = s["per_request"], s["per_resume"]
+    net, fnet = s.get("net_of_idle_per_token"), fs.get("net_of_idle_per_token") or {}
+    if net:
+        lines += [
+            "",
+            "The same per token once the idle server's own loops (heartbeats, refreshes, blocking reads: the "
+            "last table's idle row, a cost per second and process) are taken off for the run's duration; "
+            "what the capacity model counts per token, since it counts those loops per process:",
+            "",
+            "| per generated token, net of the idle loops | now | now, `--log-flush-ms "
+            f"{STORE_FLUSH_MS}` | target |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for label, key, target, digits in (
+            ("Redis commands per token", "commands", t["commands_per_token"], 3),
+            ("Redis CPU per token, µs", "us", t["us_per_token"], 2),
+            ("bytes into Redis per token", "bytes_in", t["bytes_per_token"], 1),
+        ):
+            lines.append(
+                f"| {label} | {_f(net.get(key), digits)} | {_f(fnet.get(key), digits)} | ≤ {target:g} |"
+            )
     lines += [
         "",
         "| other unit costs | commands | Redis CPU µs | bytes in | bytes out |",
@@ -1359,6 +1397,7 @@ def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> li
         "",
         "Targets: "
         + ", ".join(f"{k.replace('_', ' ')} {'met' if v else '**missed**'}" for k, v in sc["met"].items())
+        + _net_verdict(net, t)
         + ".",
     ]
     if STORE_BEFORE["measured"]:

@@ -120,6 +120,7 @@ def unit_costs(sections: dict[str, dict[str, Any]]) -> dict[str, Unit]:
         "store: `tokenwire load --scenario store-cost --redis-url R --server-pid GW` on "
         "`tokenwire cluster --gateways 1 --workers 1`"
     )
+    src_net = src_store + (" (net of the idle loops)" if st.get("net_of_idle_per_token") else "")
     per_request = None
     if store.get("requests"):
         per_request = store["tokens"] / store["requests"]
@@ -129,9 +130,11 @@ def unit_costs(sections: dict[str, dict[str, Any]]) -> dict[str, Unit]:
         Unit("gateway memory per connection", idle.get("server_kib_per_connection"), "KiB", src_idle),
         Unit("gateway CPU per idle connection", idle.get("server_us_per_connection_s"), "µs/s", src_idle),
         Unit("gateway CPU per streamed token", st.get("server_pid_us_per_token"), "µs", src_store),
-        Unit("Redis commands per token", st.get("commands_per_token"), "", src_store),
-        Unit("Redis CPU per token", st.get("us_per_token"), "µs", src_store),
-        Unit("bytes into Redis per token", st.get("bytes_per_token"), "B", src_store),
+        # Per token net of the idle server's loops where measured: those are counted per process below
+        # ("Redis CPU of an idle process"), so the gross figure would count them twice.
+        Unit("Redis commands per token", _net(st, "commands", "commands_per_token"), "", src_net),
+        Unit("Redis CPU per token", _net(st, "us", "us_per_token"), "µs", src_net),
+        Unit("bytes into Redis per token", _net(st, "bytes_in", "bytes_per_token"), "B", src_net),
         Unit("bytes out of Redis per token", st.get("bytes_out_per_token"), "B", src_store),
         Unit(
             "Redis memory kept per request (retained)",
@@ -175,6 +178,12 @@ def unit_costs(sections: dict[str, dict[str, Any]]) -> dict[str, Unit]:
         name = sec_of.get(x.source) or x.source.split(":", 1)[0]
         x.measured = when(name)
     return {x.name: x for x in u}
+
+
+def _net(st: dict[str, Any], net_key: str, gross_key: str) -> Any:
+    """A store figure per token net of the idle loops (store_cost.py), else the gross one (older runs)."""
+    net = (st.get("net_of_idle_per_token") or {}).get(net_key)
+    return net if net is not None else st.get(gross_key)
 
 
 def _half(v: Any) -> float | None:

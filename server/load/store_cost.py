@@ -71,6 +71,30 @@ def _per(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[str, flo
     }
 
 
+def _net_per(
+    idle0: dict[str, Any], idle1: dict[str, Any], before: dict[str, Any], after: dict[str, Any], n: int
+) -> dict[str, float | None]:
+    """Like ``_per`` once the idle server's own rate (measured from ``idle0`` to ``idle1``: heartbeats,
+    refreshes, blocking reads) is taken off for the phase's duration. Those loops cost per second and
+    per process, not per token: at this CPU's few dozen tokens a second they are a third of the gross
+    figure, at a GPU worker's thousands almost nothing. The capacity model counts them per process, so
+    it takes these figures per token, and counts nothing twice."""
+    idle_s = idle1["at"] - idle0["at"]
+    phase_s = after["at"] - before["at"]
+    if n <= 0 or idle_s <= 0:
+        return {"commands": None, "us": None, "bytes_in": None}
+
+    def net(key: str, scale: float) -> float:
+        rate = (idle1[key] - idle0[key]) / idle_s
+        return float(max(0.0, (after[key] - before[key]) - rate * phase_s)) * scale / n
+
+    return {
+        "commands": round(net("commands", 1), 3),
+        "us": round(net("cpu_s", 1e6), 2),
+        "bytes_in": round(net("net_in", 1), 1),
+    }
+
+
 async def _finished_replies(url: str, n: int) -> list[tuple[str, str, int]]:
     """``n`` short replies of one session: (session token, id, tokens), for the resume phase."""
     c = await Client.connect(url)
@@ -175,6 +199,7 @@ async def run_store_cost(cfg: LoadConfig, redis_url: str, key_prefix: str) -> di
         "bytes_out_per_token": per_token["bytes_out"],
         "memory_bytes_per_token": per_token["memory_bytes"],
         "commands_per_token_by_name": _by_command(idle1, after, tokens),
+        "net_of_idle_per_token": _net_per(idle0, idle1, idle1, after, tokens),
         "per_request": per_request,
         "per_resume": {**per_resume, "tokens_per_resume": round(replayed / max(1, len(todo)), 1)},
         "idle": {
@@ -216,6 +241,11 @@ def print_store_cost(report: dict[str, Any]) -> None:
         f"  per token: {s['commands_per_token']} commands, {s['us_per_token']} us Redis CPU, "
         f"{s['bytes_per_token']} bytes in, {s['bytes_out_per_token']} bytes out, "
         f"{s['memory_bytes_per_token']} bytes kept"
+    )
+    net = s.get("net_of_idle_per_token") or {}
+    print(
+        f"  per token net of the idle server's loops: {net.get('commands')} commands, {net.get('us')} us, "
+        f"{net.get('bytes_in')} bytes in"
     )
     pr, rs = s["per_request"], s["per_resume"]
     print(f"  per request: {pr['commands']} commands, {pr['us']} us, {pr['bytes_in']} bytes in")

@@ -84,3 +84,39 @@ def test_cli_writes_the_document_with_sources(tmp_path: Path, capsys) -> None:  
     assert "First to run out" in md and "What is extrapolated" in md
     assert json.loads(js.read_text())["plans"][0]["component"] == "gateways"
     assert main(["--bench-dir", str(tmp_path / "none")]) == 2
+
+
+def test_the_store_per_token_is_taken_net_of_the_idle_loops(tmp_path: Path) -> None:
+    """The idle process's Redis CPU is counted per process; a per-token figure that still holds it would
+    count it twice, so the model takes the store-cost run's net figures where they exist."""
+    from server.load.capacity import load_sections
+
+    bench = _sections(tmp_path)
+    sec = json.loads((bench / "section-store.json").read_text())
+    sec["results"]["store_cost"]["store"]["net_of_idle_per_token"] = {
+        "commands": 1.1,
+        "us": 3.0,
+        "bytes_in": 90.0,
+    }
+    (bench / "section-store.json").write_text(json.dumps(sec))
+    units = unit_costs(load_sections(bench))
+    assert units["Redis CPU per token"].value == 3.0
+    assert units["Redis commands per token"].value == 1.1
+    assert units["bytes into Redis per token"].value == 90.0
+    assert "net of the idle loops" in units["Redis CPU per token"].source
+
+
+def test_store_cost_takes_the_idle_rate_off_for_the_phase() -> None:
+    from server.load.store_cost import _net_per
+
+    def snap(at: float, commands: int, cpu_s: float, net_in: int) -> dict[str, float]:
+        return {"at": at, "commands": commands, "cpu_s": cpu_s, "net_in": net_in}
+
+    # Idle: 10 commands, 2 ms of CPU, 500 bytes a second. The phase: 100 s, 10,000 commands, 0.5 s, 1 MB.
+    idle0, idle1 = snap(0.0, 0, 0.0, 0), snap(2.0, 20, 0.004, 1000)
+    before, after = snap(2.0, 20, 0.004, 1000), snap(102.0, 10_020, 0.504, 1_001_000)
+    net = _net_per(idle0, idle1, before, after, 1000)
+    assert net == {"commands": 9.0, "us": 300.0, "bytes_in": 950.0}
+    # Never below zero (a phase quieter than the idle reading), and nothing per nothing.
+    assert _net_per(idle0, idle1, before, snap(102.0, 30, 0.005, 1000), 10)["commands"] == 0.0
+    assert _net_per(idle0, idle1, before, after, 0)["us"] is None

@@ -70,6 +70,7 @@ class Connection:
         self._turn_chain: asyncio.Task[None] | None = None  # the last of them
         self._send_lock = asyncio.Lock()
         self._closing: asyncio.Future[None] | None = None  # the close of a socket that sent no hello
+        self._gone = False  # the socket is closed: a waiting turn ends with it (_wait_previous_turn)
         self.log = log.bind(server=core.name)
 
     async def run(self) -> None:
@@ -94,6 +95,7 @@ class Connection:
             pass
         finally:
             no_hello.cancel()
+            self._gone = True
             # A waiting turn's task releases its grant as it is cancelled; a client that reconnects sends
             # that chat again (it was never accepted).
             for task in [*self._attached.values(), *self._waiting]:
@@ -243,6 +245,11 @@ class Connection:
         delay = 0.02
         while True:
             prev, pending = await self._previous_turn(id)
+            if self._gone:
+                # The close cancelled this turn, but a store call interrupted mid-command can swallow that
+                # one cancel (seen with redis-py: the loop then polled on until the previous turn ended,
+                # holding the closed connection). The turn ends with its connection, never submitted.
+                raise asyncio.CancelledError
             if not pending:
                 return prev
             await asyncio.sleep(delay)

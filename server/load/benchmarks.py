@@ -1318,15 +1318,11 @@ STORE_BEFORE: dict[str, Any] = {
 STORE_FLUSH_MS = 250
 
 
-def _net_verdict(net: dict[str, Any] | None, targets: dict[str, float]) -> str:
+def _net_verdict(met_net: dict[str, bool] | None) -> str:
     """The store targets judged on the per-token figures net of the idle loops, for the Targets line."""
-    if not net:
+    if not met_net:
         return ""
-    pairs = (("commands_per_token", "commands"), ("us_per_token", "us"), ("bytes_per_token", "bytes_in"))
-    verdicts = [
-        f"{k.replace('_', ' ')} {'met' if net.get(n) is not None and net[n] <= targets[k] else '**missed**'}"
-        for k, n in pairs
-    ]
+    verdicts = [f"{k.replace('_', ' ')} {'met' if v else '**missed**'}" for k, v in met_net.items()]
     return "; net of the idle loops: " + ", ".join(verdicts)
 
 
@@ -1370,6 +1366,8 @@ def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> li
     pr, rs = s["per_request"], s["per_resume"]
     net, fnet = s.get("net_of_idle_per_token"), fs.get("net_of_idle_per_token") or {}
     if net:
+        from server.load.store_cost import NET_KEYS
+
         lines += [
             "",
             "The same per token once the idle server's own loops (heartbeats, refreshes, blocking reads: the "
@@ -1380,13 +1378,15 @@ def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> li
             f"{STORE_FLUSH_MS}` | target |",
             "| --- | ---: | ---: | ---: |",
         ]
-        for label, key, target, digits in (
-            ("Redis commands per token", "commands", t["commands_per_token"], 3),
-            ("Redis CPU per token, µs", "us", t["us_per_token"], 2),
-            ("bytes into Redis per token", "bytes_in", t["bytes_per_token"], 1),
+        for label, target_key, digits in (
+            ("Redis commands per token", "commands_per_token", 3),
+            ("Redis CPU per token, µs", "us_per_token", 2),
+            ("bytes into Redis per token", "bytes_per_token", 1),
         ):
+            key = NET_KEYS[target_key]
             lines.append(
-                f"| {label} | {_f(net.get(key), digits)} | {_f(fnet.get(key), digits)} | ≤ {target:g} |"
+                f"| {label} | {_f(net.get(key), digits)} | {_f(fnet.get(key), digits)} | "
+                f"≤ {t[target_key]:g} |"
             )
     lines += [
         "",
@@ -1405,7 +1405,7 @@ def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> li
         "",
         "Targets: "
         + ", ".join(f"{k.replace('_', ' ')} {'met' if v else '**missed**'}" for k, v in sc["met"].items())
-        + _net_verdict(net, t)
+        + _net_verdict(sc.get("met_net_of_idle"))
         + ".",
     ]
     if STORE_BEFORE["measured"]:

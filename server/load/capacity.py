@@ -132,9 +132,9 @@ def unit_costs(sections: dict[str, dict[str, Any]]) -> dict[str, Unit]:
         Unit("gateway CPU per streamed token", st.get("server_pid_us_per_token"), "µs", src_store),
         # Per token net of the idle server's loops where measured: those are counted per process below
         # ("Redis CPU of an idle process"), so the gross figure would count them twice.
-        Unit("Redis commands per token", _net(st, "commands", "commands_per_token"), "", src_net),
-        Unit("Redis CPU per token", _net(st, "us", "us_per_token"), "µs", src_net),
-        Unit("bytes into Redis per token", _net(st, "bytes_in", "bytes_per_token"), "B", src_net),
+        Unit("Redis commands per token", _net(st, "commands_per_token"), "", src_net),
+        Unit("Redis CPU per token", _net(st, "us_per_token"), "µs", src_net),
+        Unit("bytes into Redis per token", _net(st, "bytes_per_token"), "B", src_net),
         Unit("bytes out of Redis per token", st.get("bytes_out_per_token"), "B", src_store),
         Unit(
             "Redis memory kept per request (retained)",
@@ -180,10 +180,12 @@ def unit_costs(sections: dict[str, dict[str, Any]]) -> dict[str, Unit]:
     return {x.name: x for x in u}
 
 
-def _net(st: dict[str, Any], net_key: str, gross_key: str) -> Any:
+def _net(st: dict[str, Any], key: str) -> Any:
     """A store figure per token net of the idle loops (store_cost.py), else the gross one (older runs)."""
-    net = (st.get("net_of_idle_per_token") or {}).get(net_key)
-    return net if net is not None else st.get(gross_key)
+    from server.load.store_cost import NET_KEYS
+
+    net = (st.get("net_of_idle_per_token") or {}).get(NET_KEYS[key])
+    return net if net is not None else st.get(key)
 
 
 def _half(v: Any) -> float | None:

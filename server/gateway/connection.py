@@ -226,6 +226,13 @@ class Connection:
             self.proto.send_error(exc)
         except Exception as exc:
             self._internal(chat, exc)
+        except asyncio.CancelledError as exc:
+            # The task keeps its CancelledError, and a cancel that landed inside a store call carries
+            # that library's frames in its traceback, one of which holds the task (its timeout context):
+            # a cycle holding this connection until a full collection. The inner frames say nothing a
+            # closed connection needs; drop them.
+            exc.__traceback__ = None
+            raise
         finally:
             grant.end_wait()
         with contextlib.suppress(ConnectionClosed):

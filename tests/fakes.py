@@ -38,6 +38,7 @@ class FakeEngine(ThreadedEngine):
         self.reply_len = reply_len  # words before a natural "stop" (unless max_tokens is smaller)
         self.pad = ""  # appended to every token's text (tests that need big deltas)
         self.started_keys: list[str] = []
+        self.resumed_at: list[int] = []  # per start, in order: how many logged tokens it continued after
         self._runs: dict[str, _Run] = {}
 
     def _has_work(self) -> bool:
@@ -46,6 +47,7 @@ class FakeEngine(ThreadedEngine):
     def _intake(self, req: GenerationRequest, outs: list[StepOutput]) -> None:
         self.requests_started += 1
         self.started_keys.append(req.key)
+        self.resumed_at.append(len(req.resume_ids))
         self._runs[req.key] = _Run(req, reply_words(req), len(req.resume_ids))
 
     def _drop(self, key: str) -> None:
@@ -65,7 +67,11 @@ class FakeEngine(ThreadedEngine):
             if o + 1 >= limit:
                 finish = "length" if run.req.params.max_tokens <= self.reply_len else "stop"
             text = run.words[o] + self.pad
-            outs.append(StepOutput(key, o, 1, text, finish=finish, prompt_tokens=len(run.req.messages)))
+            # The word's index is its token id: logged like a real engine's ids, so a request re-queued
+            # after its worker died or shed it continues after its logged tokens (resume_ids) instead of
+            # regenerating them over its own log, which the store refuses once steps merge differently.
+            out = StepOutput(key, o, 1, text, (o,), finish=finish, prompt_tokens=len(run.req.messages))
+            outs.append(out)
             run.offset += 1
             if finish:
                 del self._runs[key]

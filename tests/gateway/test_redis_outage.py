@@ -83,6 +83,10 @@ async def test_streams_survive_a_redis_restart(tmp_path: Path, max_buffered_step
 
             await asyncio.wait_for(asyncio.gather(*tasks), 60)
             await _until(lambda: probes.ready()[0], "the worker to be ready again")
+            if max_buffered_steps < TOKENS:  # shed, then handed back: continued, not regenerated
+                assert engine.resumed_at[:STREAMS] == [0] * STREAMS
+                assert len(engine.resumed_at) >= 2 * STREAMS, engine.resumed_at
+                assert all(n >= 3 for n in engine.resumed_at[STREAMS:]), engine.resumed_at
             for i in range(STREAMS):
                 req = GenerationRequest(
                     key="",

@@ -437,6 +437,10 @@ class Worker:
         The engine keeps running meanwhile; its later steps queue up and go out together. Retries are
         safe (append and finish accept a repeat of what this worker already wrote). If the backlog passes
         ``max_buffered_steps``, the worker sheds its requests instead (see ``_shed``)."""
+        if not ops:
+            # Only outputs of requests dropped here (after a shed, say): nothing to write, and nothing
+            # that says Redis answered (an empty write_step never asks it).
+            return []
         delay = 0.05
         while True:
             try:

@@ -74,24 +74,11 @@ async def test_streams_survive_a_redis_restart(tmp_path: Path, max_buffered_step
             await _until(lambda: all(len(g) >= 3 for g in got), "every stream to start")
             assert probes.ready()[0]
 
-            answers_while_down: list[str] = []
-            down = False
-            answered = worker._store_answered
-
-            def spy() -> None:  # nothing can answer while Redis is stopped: ready must stay false
-                if down:
-                    answers_while_down.append("answered")
-                answered()
-
-            worker._store_answered = spy  # type: ignore[method-assign]
             valkey.stop()  # Redis goes away mid-stream
-            down = True
             await _until(lambda: not worker.store_ok, "the worker to notice")
             assert probes.ready() == (False, "Redis is unreachable")
             await asyncio.sleep(2.0)  # the outage lasts a while; the engine keeps producing meanwhile
             assert worker._steps.qsize() <= max(max_buffered_steps, 1)
-            down = False
-            assert answers_while_down == []
             valkey = _valkey(tmp_path, port)  # back, on the same data
 
             await asyncio.wait_for(asyncio.gather(*tasks), 60)

@@ -168,3 +168,16 @@ async def test_a_cluster_gateway_is_ready_without_workers_and_says_so(
             await worker.stop()
         await gw.stop()
         await reader.aclose()
+
+
+async def test_an_empty_step_does_not_mark_an_unreachable_store_reachable(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    """After a shed, the engine's last outputs of the dropped requests make a step with nothing to write:
+    it asks Redis nothing, so it must not say Redis answered (the worker would report ready, and take
+    work, in the middle of an outage)."""
+    worker = Worker(RequestStore(redis, keys, Settings()), FakeEngine(), name=f"w-{keys.prefix}empty")
+    worker._store_failed(ConnectionError("Redis is away"))
+    assert await worker._write([]) == []
+    assert not worker.store_ok
+    assert not worker._store_up.is_set()

@@ -65,15 +65,17 @@ def is_upgrade(head: bytes) -> bool:
 class FrontDoor(asyncio.Protocol):
     """Reads up to the end of the first request line, then hands the connection over (see module)."""
 
-    __slots__ = ("_buf", "_make_http", "_make_ws", "_timeout_s", "_timer", "_transport")
+    __slots__ = ("_buf", "_make_http", "_make_ws", "_on_close", "_timeout_s", "_timer", "_transport")
 
     def __init__(
         self,
         make_ws: Callable[[], asyncio.Protocol],
         make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol],
         timeout_s: float,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self._make_ws = make_ws
+        self._on_close = on_close
         self._make_http = make_http
         self._buf = b""
         self._transport: asyncio.Transport | None = None
@@ -120,9 +122,12 @@ class FrontDoor(asyncio.Protocol):
         return False  # closed before a request line: nothing to answer
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # Closed before a request line (after the hand-over, the new protocol hears of the close).
         if self._timer is not None:
             self._timer.cancel()
         self._transport = None
+        if self._on_close is not None:
+            self._on_close()
 
 
 SelectSubprotocol = Callable[[ServerConnection, Sequence[Subprotocol]], Subprotocol | None]
@@ -132,13 +137,14 @@ def front_door_factory(
     make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol],
     timeout_s: float,
     select_subprotocol: SelectSubprotocol | None = None,
-    on_open: Callable[[], None] | None = None,
+    on_close: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
     """A ``create_connection`` for :func:`websockets.asyncio.server.serve` that puts a
     :class:`FrontDoor` before websockets' own connection. ``select_subprotocol``: websockets' hook of
     that name, given the connection (websockets' own closure expects its connection to be the protocol
-    it created, which the front door is not, so the hook is installed here instead). ``on_open`` is
-    told of every new TCP connection (the gateway's churn collector counts them)."""
+    it created, which the front door is not, so the hook is installed here instead). ``on_close`` is
+    told of a connection closed before its first request line (the gateway's churn collector counts
+    closes; the protocols it is handed to tell it of theirs)."""
 
     def create_connection(protocol: ServerProtocol, server: Server, **kwargs: Any) -> FrontDoor:
         def make_ws() -> asyncio.Protocol:
@@ -155,8 +161,6 @@ def front_door_factory(
                 protocol.select_subprotocol = select  # type: ignore[method-assign,assignment]
             return conn
 
-        if on_open is not None:
-            on_open()
-        return FrontDoor(make_ws, make_http, timeout_s)
+        return FrontDoor(make_ws, make_http, timeout_s, on_close)
 
     return create_connection

@@ -49,6 +49,7 @@ class HttpApi:
         self.http = HttpCore(core)
         self.plain = plain
         self.connections: set[HttpConnection] = set()
+        self.on_connection_lost: Callable[[], None] | None = None  # told of every closed connection
         st = core.settings
         self.caps = ConnectionCaps(st.max_http_connections, st.max_http_connections_per_peer)
         chat = ChatCompletions(self.http)
@@ -81,6 +82,7 @@ class HttpApi:
             write_timeout_s=st.slow_reader_timeout_s,
             registry=self.connections,
             caps=self.caps,
+            on_lost=self.on_connection_lost,
         )
 
     async def handle(self, req: HttpRequest) -> HttpResponse:

@@ -85,6 +85,7 @@ class Gateway:
         self._health_task: asyncio.Task[None] | None = None
         # Full collections after connection churn (gctune.py): closed connections' garbage goes back.
         self.collector = ChurnCollector()
+        self.http.on_connection_lost = self.collector.connection_closed
         # WebSockets of both doors, counted from the handshake's 101 to the handler's end.
         self.ws_caps = ConnectionCaps(
             self.settings.max_ws_connections, self.settings.max_ws_connections_per_peer
@@ -225,6 +226,7 @@ class Gateway:
             await self._serve_websocket(ws)
         finally:
             self.ws_caps.give_back(peer_address(ws))
+            self.collector.connection_closed()
             # websockets keeps the exception that ended its parser (EOFError at a close), whose
             # traceback holds the parser's frame, which holds the protocol: a cycle keeping the closed
             # connection's buffers until a full collection. Its traceback is of no use now.
@@ -306,7 +308,7 @@ class Gateway:
                 lambda _ws: self.http.connection(),
                 open_timeout_s,
                 self._select_subprotocol,
-                self.collector.connection_opened,
+                self.collector.connection_closed,
             ),  # type: ignore[arg-type]
             open_timeout=open_timeout_s,
         )

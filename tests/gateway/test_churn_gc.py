@@ -31,21 +31,21 @@ def test_a_full_collection_comes_after_churn_and_frees_old_cycles() -> None:
     gc.collect()  # x survives: promoted to the oldest generation, as a long-lived connection would be
     del x
     assert ref() is not None  # garbage now, and only a full collection frees it
-    assert not c.tick(1.0)  # no connection opened: nothing to do, however long it waits
+    assert not c.tick(1.0)  # no connection closed: nothing to do, however long it waits
     assert not c.tick(100.0)
-    c.connection_opened()
-    c.connection_opened()
+    c.connection_closed()
+    c.connection_closed()
     assert not c.tick(1.0)  # under the churn threshold and within the idle interval
-    c.connection_opened()
-    assert c.tick(1.0) and c.collections == 1 and c.opened == 0
+    c.connection_closed()
+    assert c.tick(1.0) and c.collections == 1 and c.closed == 0
     assert ref() is None
 
 
-def test_a_single_new_connection_is_collected_after_the_idle_interval() -> None:
+def test_a_single_closed_connection_is_collected_after_the_idle_interval() -> None:
     c = ChurnCollector(churn=64, min_interval_s=1.0, idle_interval_s=5.0)
-    c.connection_opened()
+    c.connection_closed()
     assert [c.tick(1.0) for _ in range(5)] == [False, False, False, False, True]
-    assert [c.tick(1.0) for _ in range(10)] == [False] * 10  # nothing opened since
+    assert [c.tick(1.0) for _ in range(10)] == [False] * 10  # nothing closed since
 
 
 async def test_a_closed_websocket_is_freed_without_a_full_collection(
@@ -108,3 +108,39 @@ async def test_a_closed_websocket_with_a_waiting_turn_is_freed_without_a_full_co
             assert ref() is None, "the Connection outlived its close: its waiting turn's task holds it"
         finally:
             gc.enable()
+
+
+async def test_the_gateway_counts_closed_connections_of_every_door_and_never_opened_ones(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """Only closes make a full collection due: clients that connect and stay are never walked for nothing
+    (a full collection with thousands of them held stalls every ping)."""
+    async with running_server(redis, redis_url, keys) as server:
+        collector = server.gateway.collector
+        host, port = server.url.removeprefix("ws://").split("/", 1)[0].rsplit(":", 1)
+
+        async def until_closed(n: int) -> None:
+            for _ in range(250):
+                if collector.closed >= n:
+                    break
+                await asyncio.sleep(0.02)
+            assert collector.closed == n
+
+        clients = [await Client.connect(server.url) for _ in range(3)]
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.readline()).startswith(b"HTTP/1.1 ")
+        silent = await asyncio.open_connection(host, int(port))  # no request line yet
+        await asyncio.sleep(0.2)
+        assert collector.closed == 0  # five open, none closed: nothing due
+        await clients[0].close()
+        await until_closed(1)  # a WebSocket
+        writer.close()
+        await writer.wait_closed()
+        await until_closed(2)  # an HTTP connection
+        silent[1].close()
+        await silent[1].wait_closed()
+        await until_closed(3)  # closed before its first request line
+        for c in clients[1:]:
+            await c.close()
+        await until_closed(5)

@@ -65,17 +65,17 @@ def is_upgrade(head: bytes) -> bool:
 class FrontDoor(asyncio.Protocol):
     """Reads up to the end of the first request line, then hands the connection over (see module)."""
 
-    __slots__ = ("_buf", "_make_http", "_make_ws", "_on_close", "_timeout_s", "_timer", "_transport")
+    __slots__ = ("_buf", "_make_http", "_make_ws", "_on_closed", "_timeout_s", "_timer", "_transport")
 
     def __init__(
         self,
         make_ws: Callable[[], asyncio.Protocol],
         make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol],
         timeout_s: float,
-        on_close: Callable[[], None] | None = None,
+        on_closed: Callable[[], None] | None = None,
     ) -> None:
         self._make_ws = make_ws
-        self._on_close = on_close
+        self._on_closed = on_closed
         self._make_http = make_http
         self._buf = b""
         self._transport: asyncio.Transport | None = None
@@ -126,8 +126,8 @@ class FrontDoor(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self._transport = None
-        if self._on_close is not None:
-            self._on_close()
+        if self._on_closed is not None:
+            self._on_closed()
 
 
 SelectSubprotocol = Callable[[ServerConnection, Sequence[Subprotocol]], Subprotocol | None]
@@ -137,12 +137,12 @@ def front_door_factory(
     make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol],
     timeout_s: float,
     select_subprotocol: SelectSubprotocol | None = None,
-    on_close: Callable[[], None] | None = None,
+    on_closed: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
     """A ``create_connection`` for :func:`websockets.asyncio.server.serve` that puts a
     :class:`FrontDoor` before websockets' own connection. ``select_subprotocol``: websockets' hook of
     that name, given the connection (websockets' own closure expects its connection to be the protocol
-    it created, which the front door is not, so the hook is installed here instead). ``on_close`` is
+    it created, which the front door is not, so the hook is installed here instead). ``on_closed`` is
     told of a connection closed before its first request line (the gateway's churn collector counts
     closes; the protocols it is handed to tell it of theirs)."""
 
@@ -161,6 +161,6 @@ def front_door_factory(
                 protocol.select_subprotocol = select  # type: ignore[method-assign,assignment]
             return conn
 
-        return FrontDoor(make_ws, make_http, timeout_s, on_close)
+        return FrontDoor(make_ws, make_http, timeout_s, on_closed)
 
     return create_connection

@@ -44,12 +44,14 @@ class Route:
 class HttpApi:
     """The routing table, the connection factory and the caller's identity."""
 
-    def __init__(self, core: GatewayCore, plain: PlainAnswer) -> None:
+    def __init__(
+        self, core: GatewayCore, plain: PlainAnswer, on_closed: Callable[[], None] | None = None
+    ) -> None:
         self.core = core
         self.http = HttpCore(core)
         self.plain = plain
         self.connections: set[HttpConnection] = set()
-        self.on_connection_lost: Callable[[], None] | None = None  # told of every closed connection
+        self.on_closed = on_closed  # told of every closed connection (the gateway's churn collector)
         st = core.settings
         self.caps = ConnectionCaps(st.max_http_connections, st.max_http_connections_per_peer)
         chat = ChatCompletions(self.http)
@@ -82,7 +84,7 @@ class HttpApi:
             write_timeout_s=st.slow_reader_timeout_s,
             registry=self.connections,
             caps=self.caps,
-            on_lost=self.on_connection_lost,
+            on_closed=self.on_closed,
         )
 
     async def handle(self, req: HttpRequest) -> HttpResponse:

@@ -113,10 +113,10 @@ class HttpConnection(asyncio.Protocol):
         ingress: Ingress | None = None,
         registry: set[HttpConnection] | None = None,
         caps: ConnectionCaps | None = None,
-        on_lost: Callable[[], None] | None = None,
+        on_closed: Callable[[], None] | None = None,
     ) -> None:
         self.handler = handler
-        self.on_lost = on_lost  # told when the connection closes (the gateway's churn collector)
+        self.on_closed = on_closed  # told when the connection closes (the gateway's churn collector)
         self.error = error
         self.max_body = max_body
         self.idle_timeout_s = idle_timeout_s
@@ -217,8 +217,8 @@ class HttpConnection(asyncio.Protocol):
             self._peer = None
         if self.registry is not None:
             self.registry.discard(self)
-        if self.on_lost is not None:
-            self.on_lost()
+        if self.on_closed is not None:
+            self.on_closed()
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the handler sees CancelledError: the client is gone
 

@@ -73,9 +73,11 @@ class Gateway:
         self.settings = settings
         self.name = self.core.name
         self.models = self.core.models  # serve sets .local to its own models
+        # Full collections after connection churn (gctune.py): closed connections' garbage goes back.
+        self.collector = ChurnCollector()
         # The OpenAI-compatible HTTP API on the same port (front_door.py); a path outside it on one of
         # its connections is answered as a fresh connection's would be.
-        self.http = HttpApi(self.core, plain=self._plain_answer)
+        self.http = HttpApi(self.core, plain=self._plain_answer, on_closed=self.collector.connection_closed)
         self.ready = ready
         self.connections: set[Connection] = set()
         self.response_sockets: set[ResponsesSocket] = set()  # OpenAI's Responses WebSocket mode
@@ -83,9 +85,6 @@ class Gateway:
         self.routes = self._routes()
         self.metrics_server: MetricsServer | None = None
         self._health_task: asyncio.Task[None] | None = None
-        # Full collections after connection churn (gctune.py): closed connections' garbage goes back.
-        self.collector = ChurnCollector()
-        self.http.on_connection_lost = self.collector.connection_closed
         # WebSockets of both doors, counted from the handshake's 101 to the handler's end.
         self.ws_caps = ConnectionCaps(
             self.settings.max_ws_connections, self.settings.max_ws_connections_per_peer

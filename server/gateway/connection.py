@@ -183,6 +183,7 @@ class Connection:
         answer ``waiting`` now and submit it once that turn ends (SPEC §4.2)."""
         before = self._turn_chain
         after: list[str] = []
+        checked: list[tuple[str, bool]] = []  # what waits() read, so that _chat need not read it again
 
         async def waits() -> bool:
             if chat.content is None:
@@ -190,6 +191,7 @@ class Connection:
             if before is not None and not before.done():
                 return True  # a turn sent earlier on this connection is still waiting: this one queues
             prev, pending = await self._previous_turn(chat.id)
+            checked.append((prev, pending))
             if pending:
                 after.append(prev)
             return pending
@@ -199,7 +201,7 @@ class Connection:
         ask = self._ask("chat", chat.id, held_bytes=held, text_bytes=text)
         grant = await self.core.admission.admit(ask, waits=waits)
         if not grant.waiting:
-            if await self._chat(chat, grant, wait=False):
+            if await self._chat(chat, grant, wait=False, turn=checked[-1] if checked else None):
                 return
             # Another turn of the session came first after all (sent meanwhile on another connection or
             # gateway): this one waits too, off the read loop, holding a waiting slot like any other.
@@ -283,7 +285,7 @@ class Connection:
         self.owner = sessions.owner_for(session, self.user)
         self.coalesce_s = (hello.coalesce_ms or 0) / 1000
         self.log = self.log.bind(session=session, user=self.user)
-        await sessions.touch(session, self.owner)
+        await sessions.touch(session, self.owner, new=not hello.session_token)
         self.proto.send(
             Welcome(
                 session=session,
@@ -303,10 +305,14 @@ class Connection:
                 # Up to 256 points, each a store lookup or two: answer as they come, not all at the end.
                 await self._flush()
 
-    async def _chat(self, chat: Chat, grant: Grant, *, wait: bool = True) -> bool:
+    async def _chat(
+        self, chat: Chat, grant: Grant, *, wait: bool = True, turn: tuple[str, bool] | None = None
+    ) -> bool:
         """Submit an admitted chat and attach its stream; the grant goes to the stream, or is released.
         ``wait`` False (called from the read loop): a content turn whose session's previous turn is
-        unfinished is not waited for here; False is returned and the grant stays the caller's."""
+        unfinished is not waited for here; False is returned and the grant stays the caller's. ``turn``:
+        the session's previous turn as admission just read it (``_previous_turn``), used once instead of
+        a second read; a turn that moved since is caught by the submit all the same (``turn_moved``)."""
         try:
             while True:
                 user_message = None
@@ -315,7 +321,8 @@ class Connection:
                     if wait:
                         turn_after = await self._wait_previous_turn(chat.id)
                     else:
-                        turn_after, pending = await self._previous_turn(chat.id)
+                        turn_after, pending = turn if turn is not None else await self._previous_turn(chat.id)
+                        turn = None  # after a turn_moved, read it again
                         if pending:
                             return False
                     grant.end_wait()  # its content now goes to the store
@@ -406,7 +413,8 @@ class Connection:
         me = asyncio.current_task()
         expected = offset
         try:
-            async with self.core.streams.follow(grant, self.owner, id, offset) as sub:
+            # A request submitted just now (``started``) has the deadline a touch would give it.
+            async with self.core.streams.follow(grant, self.owner, id, offset, touch=started is None) as sub:
                 async for batch in batches(sub, id, offset):
                     if self._attached.get(id) is not me:
                         return  # superseded by a newer chat/resume of this id on this connection

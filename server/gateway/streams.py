@@ -46,11 +46,13 @@ class Streams:
 
     @contextlib.asynccontextmanager
     async def follow(
-        self, grant: Grant, owner: str, id: str, offset: int, *, attached: bool = True
+        self, grant: Grant, owner: str, id: str, offset: int, *, attached: bool = True, touch: bool = True
     ) -> AsyncIterator[Subscription]:
         """Subscribe to request ``id``'s log from token ``offset`` for as long as the block runs.
         ``attached``: the request counts as having a client meanwhile (its detach timeout does not run;
-        a background response is followed without). Releases ``grant`` at the end."""
+        a background response is followed without). ``touch`` False: the request was created just now,
+        and its submit set the deadline a touch would (a store call per request saved). Releases
+        ``grant`` at the end."""
         require(grant)
         req_key = self.store.keys.request(owner, id)
         sub: Subscription | None = None
@@ -60,8 +62,9 @@ class Streams:
             if attached:
                 self._attach(req_key)
                 counted = True
-                # Back within the detach timeout: postpone it now, not at the next periodic touch.
-                await self.store.touch([req_key])
+                if touch:
+                    # Back within the detach timeout: postpone it now, not at the next periodic touch.
+                    await self.store.touch([req_key])
             yield sub
         finally:
             if counted:

@@ -1408,6 +1408,16 @@ def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> li
         + _net_verdict(sc.get("met_net_of_idle"))
         + ".",
     ]
+    if flush and flush.get("met"):
+        # The same targets for the last column: an operator's choice of latency for store cost.
+        lines.append(
+            f"With `--log-flush-ms {STORE_FLUSH_MS}`: "
+            + ", ".join(
+                f"{k.replace('_', ' ')} {'met' if v else '**missed**'}" for k, v in flush["met"].items()
+            )
+            + _net_verdict(flush.get("met_net_of_idle"))
+            + "."
+        )
     if STORE_BEFORE["measured"]:
         lines.append(f"Before: measured {STORE_BEFORE['measured']} at commit {STORE_BEFORE['commit']}.")
     return lines

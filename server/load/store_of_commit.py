@@ -5,6 +5,9 @@ workload. Usage, from the repository root:
 
     git worktree add /tmp/before 83e411b
     .venv/bin/python -m server.load.store_of_commit /tmp/before /tmp/before-store.json
+
+Arguments after those two go to that commit's ``tokenwire cluster`` (``--log-flush-ms 250``, say). The
+worktree may be this checkout itself, to measure it the same way beside another commit.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ PORT = 18931
 
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
-    if len(args) != 2:
+    if len(args) < 2:
         print(__doc__, file=sys.stderr)
         return 2
     worktree, out = Path(args[0]).resolve(), Path(args[1]).resolve()
+    extra = args[2:]
     here = Path(__file__).resolve().parents[2]
     valkey = ValkeyServer(
         data_dir=Path(tempfile.mkdtemp(prefix="tw-store-of-")), persist=False, config={"save": ""}
@@ -34,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     valkey.start(timeout=30)
     url = valkey.connection_url
     cluster = [sys.executable, "-m", "server.cli", "cluster", "--gateways", "1", "--workers", "1"]
-    cluster += ["--port", str(PORT), "--redis-url", url, "--log-level", "warning"]
+    cluster += ["--port", str(PORT), "--redis-url", url, "--log-level", "warning", *extra]
     # cwd: the other commit's server package is the one `-m server.cli` imports (cwd comes first).
     proc = subprocess.Popen(cluster, cwd=worktree, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:

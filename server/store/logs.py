@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,9 @@ from server.store.requests import execute
 log = structlog.get_logger(__name__)
 
 WAKE_TTL_MS = 24 * 3600 * 1000
+# How often a reader renews that expiry: far inside it, and rarely, since a wake-up comes with every
+# stream a gateway attaches and a PEXPIRE with each one was a command per request for nothing.
+WAKE_RENEW_S = 3600.0
 
 # The client type a LogReader reads with, for callers outside the store (the gateway never imports redis).
 RedisClient = aioredis.Redis
@@ -129,6 +133,7 @@ class PartitionReader:
         self._waker: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._wake_id = "$"
+        self._renew_at = 0.0  # when the wake stream's expiry is next renewed (monotonic)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="log-reader")
@@ -158,9 +163,15 @@ class PartitionReader:
             try:
                 pipe = self.r.pipeline(transaction=False)
                 pipe.xadd(self.wake_key, {"w": 1}, maxlen=16, approximate=False)  # exact: it stays tiny
-                # A gateway killed without stop() would leave its wake stream behind for good.
-                pipe.pexpire(self.wake_key, WAKE_TTL_MS)
+                renew = time.monotonic() >= self._renew_at
+                if renew:
+                    # A gateway killed without stop() would leave its wake stream behind for good. (A
+                    # Redis that lost it meanwhile gets it back from the XADD without an expiry for at
+                    # most WAKE_RENEW_S: 16 entries.)
+                    pipe.pexpire(self.wake_key, WAKE_TTL_MS)
                 await execute(pipe)
+                if renew:
+                    self._renew_at = time.monotonic() + WAKE_RENEW_S
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -207,6 +207,7 @@ class RequestStore:
         self._reap = _load_script(r, "reap")
         self._lease = _load_script(r, "lease")
         self._live = _load_script(r, "live")
+        self._rate = _load_script(r, "rate")
         self._orphan = _load_script(r, "orphan")
 
     @property
@@ -408,14 +409,9 @@ class RequestStore:
     async def rate(self, owner: str, kind: str, limit: int, window_ms: int = 1000) -> int:
         """Count one action of ``kind`` (e.g. "chat", "resume") by ``owner`` in a fixed window shared by
         every gateway: 0 if within ``limit`` per window, else the ms until the window ends. Atomic (one
-        MULTI/EXEC: the counter and its expiry are set together, so a counter never outlives its window)."""
-        key = self.keys.rate(kind, owner)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.incr(key)
-        pipe.pexpire(key, window_ms, nx=True)
-        pipe.pttl(key)
-        count, _, ttl = await execute(pipe)
-        return 0 if int(count) <= limit else max(1, int(ttl))
+        script, rate.lua: the counter and its expiry are set together, so a counter never outlives its
+        window)."""
+        return int(await self._rate(keys=[self.keys.rate(kind, owner)], args=[limit, window_ms]))
 
     async def touch(self, req_keys: list[str]) -> int:
         """Record that clients are attached to these requests now (postpones the detach timeout)."""

@@ -52,14 +52,16 @@ class SessionStore:
         # Bytes, not str: compare_digest raises TypeError on a str that is not ASCII.
         return session if hmac.compare_digest(good.encode(), token.encode("utf-8", "replace")) else None
 
-    async def touch(self, session: str, owner: str) -> None:
+    async def touch(self, session: str, owner: str, *, new: bool = False) -> None:
         """Record the session (idempotent) and extend its TTL and its history's. One pipelined round trip,
-        not atomic: each command is idempotent, so a partial run is completed by the next touch."""
+        not atomic: each command is idempotent, so a partial run is completed by the next touch. ``new``:
+        an id made just now (``new_id``), which has no history yet to extend."""
         k = self.keys.session(session, owner)
         pipe = self.r.pipeline(transaction=False)
         pipe.hsetnx(k, "owner", owner)
         pipe.pexpire(k, self.ttl_ms)
-        pipe.pexpire(self.keys.history(session, owner), self.ttl_ms)
+        if not new:
+            pipe.pexpire(self.keys.history(session, owner), self.ttl_ms)
         await execute(pipe)
 
     async def last_turn(self, session: str, owner: str) -> str:

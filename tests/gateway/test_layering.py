@@ -33,6 +33,18 @@ async def test_user_rate_is_counted_across_gateways_in_the_store(redis, keys) ->
     assert 0 < await redis.pttl(keys.rate("chat", "u")) <= 60_000  # it expires with its window
 
 
+async def test_a_rate_counter_without_an_expiry_gets_one_when_it_refuses(redis, keys) -> None:  # type: ignore[no-untyped-def]
+    """rate.lua sets the expiry on a window's first count only; a counter found over the limit with none
+    (written some other way) must not refuse that owner for ever."""
+    from server.store.requests import RequestStore
+
+    s = RequestStore(redis, keys)
+    await redis.set(keys.rate("chat", "w"), 10)  # no expiry
+    wait = await s.rate("w", "chat", 3, window_ms=60_000)
+    assert 0 < wait <= 60_000
+    assert 0 < await redis.pttl(keys.rate("chat", "w")) <= 60_000
+
+
 # The gateway's layers (issue 24): a core the doors use, doors that depend only on the core, and
 # server.py assembling them. A module may import only from its own layer or the ones below it, and the
 # import graph (TYPE_CHECKING imports included) has no cycle.

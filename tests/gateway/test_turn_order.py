@@ -67,10 +67,12 @@ async def test_turns_of_one_session_on_two_connections_each_see_the_previous(ser
 async def test_a_turn_overtaken_after_admission_waits_off_the_read_loop(
     server: Running, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Admission found the session's previous turn finished, but by submit time another connection's
-    turn was running (the race, forced here by hiding that turn from admission's look). The turn must
-    then wait like any other, answered ``waiting`` at once, and the connection's read loop must go on:
-    before, it polled for the other turn inline, and a ping went unanswered for that turn's whole reply."""
+    """Admission found no unfinished turn in the session, but by submit time another connection's turn
+    was running (the race, forced here by hiding that turn from admission's look, as if it read the
+    session just before the other turn was accepted). The submit (which reuses that look) then finds
+    the session's turn moved, and the turn must wait like any other, answered ``waiting`` at once, and
+    the connection's read loop must go on: before, it polled for the other turn inline, and a ping went
+    unanswered for that turn's whole reply."""
     server.engine.step_s = 0.05
     server.engine.reply_len = 1000
     a = await Client.connect(server.url)
@@ -88,7 +90,7 @@ async def test_a_turn_overtaken_after_admission_waits_off_the_read_loop(
         prev, pending = await real(self, id)
         if id == "late" and hidden["n"] == 0:
             hidden["n"] += 1
-            return prev, False  # admission's look: it sees nothing running
+            return "", False  # admission's look: the session had no turn yet
         return prev, pending
 
     monkeypatch.setattr(Connection, "_previous_turn", overtaken)

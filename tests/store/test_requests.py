@@ -172,6 +172,47 @@ async def test_log_reader_replays_then_follows(
         await reader_r.aclose()
 
 
+async def test_log_reader_wake_stream_expires_and_renews_its_expiry_rarely(
+    redis: aioredis.Redis, keys: Keys, new_client: Callable[[], Any]
+) -> None:
+    """A gateway killed without stop() leaves its wake stream behind: it must carry an expiry from the
+    first wake-up on, renewed once per WAKE_RENEW_S rather than with every stream attached."""
+    from server.store import logs
+
+    store = RequestStore(redis, keys)
+    item = await _started(store)
+    reader_r = new_client()
+    reader = LogReader(reader_r, keys, "test", block_ms=1000)
+    wake = reader.reader_for(item.log_key).wake_key
+    reader.start()
+    try:
+        reader.unsubscribe(reader.subscribe(item.log_key, 0))
+        for _ in range(100):
+            if await redis.exists(wake):
+                break
+            await asyncio.sleep(0.02)
+        assert 0 < await redis.pttl(wake) <= logs.WAKE_TTL_MS
+        await redis.persist(wake)  # as a lost key comes back from the next XADD: no expiry
+        entries = await redis.xlen(wake)
+        reader.unsubscribe(reader.subscribe(item.log_key, 0))
+        for _ in range(100):
+            if await redis.xlen(wake) > entries:
+                break
+            await asyncio.sleep(0.02)
+        assert await redis.xlen(wake) > entries  # woken again ...
+        assert await redis.pttl(wake) == -1  # ... without another PEXPIRE within the renewal period
+        reader.reader_for(item.log_key)._renew_at = 0.0  # the period is over
+        reader.unsubscribe(reader.subscribe(item.log_key, 0))
+        for _ in range(100):
+            if await redis.pttl(wake) > 0:
+                break
+            await asyncio.sleep(0.02)
+        assert 0 < await redis.pttl(wake) <= logs.WAKE_TTL_MS
+    finally:
+        await reader.stop()
+        await reader_r.aclose()
+
+
 async def test_log_reader_subscriber_joining_mid_read_still_starts_at_its_offset(
     redis: aioredis.Redis, keys: Keys, new_client: Callable[[], Any]
 ) -> None:

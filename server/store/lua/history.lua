@@ -6,13 +6,16 @@
 -- of the whole list; a history without that field (written before it existed) is measured once.
 local function append_turn(hist, sess, user_msg, reply, max_msgs, max_bytes, ttl)
   local bytes = tonumber(redis.call('HGET', sess, 'hist_bytes') or '')
+  local n = redis.call('RPUSH', hist, user_msg, reply)  -- the length after: no LLEN
   if not bytes then
+    -- Measured once: nothing before this turn (a new session: no read at all), or a history older than
+    -- the field.
     bytes = 0
-    for _, m in ipairs(redis.call('LRANGE', hist, 0, -1)) do bytes = bytes + #m end
+    if n > 2 then
+      for _, m in ipairs(redis.call('LRANGE', hist, 0, n - 3)) do bytes = bytes + #m end
+    end
   end
-  redis.call('RPUSH', hist, user_msg, reply)
   bytes = bytes + #user_msg + #reply
-  local n = redis.call('LLEN', hist)
   while n > 2 and (n > max_msgs or bytes > max_bytes) do
     for _, m in ipairs(redis.call('LPOP', hist, 2)) do
       bytes = bytes - #m

@@ -13,7 +13,9 @@
 redis.call('XACK', KEYS[5], ARGV[3], ARGV[4])
 redis.call('XDEL', KEYS[5], ARGV[4])
 local req = KEYS[1]
-local f = redis.call('HMGET', req, 'state', 'attached_until', 'completion_tokens', 'updated_ms')
+-- One read of everything the transition and its answer need (the fields it changes are tracked below).
+local f = redis.call('HMGET', req, 'state', 'attached_until', 'completion_tokens', 'updated_ms', 'payload',
+  'epoch', 'cache_key')
 if f[1] ~= 'queued' then
   return false
 end
@@ -28,12 +30,13 @@ if tonumber(f[2] or '0') < now then
   redis.call('PEXPIRE', KEYS[3], ARGV[2])
   return false
 end
-if tonumber(f[3]) > 0 and redis.call('EXISTS', KEYS[3]) == 0 then
-  redis.call('HINCRBY', req, 'epoch', 1)
+local done, epoch = tonumber(f[3]), tonumber(f[6])
+if done > 0 and redis.call('EXISTS', KEYS[3]) == 0 then
+  epoch = redis.call('HINCRBY', req, 'epoch', 1)
+  done = 0
   redis.call('HSET', req, 'completion_tokens', 0)
 end
 redis.call('HSET', req, 'state', 'running', 'worker', ARGV[1], 'started_ms', now, 'updated_ms', now)
-local r = redis.call('HMGET', req, 'payload', 'completion_tokens', 'epoch', 'cache_key')
-redis.call('HSET', KEYS[4], KEYS[3], tonumber(r[2] or '0'))
+redis.call('HSET', KEYS[4], KEYS[3], done or 0)
 -- updated_ms was set when it was queued (or re-queued): the difference is the time it waited.
-return {r[1], tonumber(r[2]), tonumber(r[3]), now - tonumber(f[4] or now), r[4] or ''}
+return {f[5], done, epoch, now - tonumber(f[4] or now), f[7] or ''}

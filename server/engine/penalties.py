@@ -16,6 +16,7 @@ so a batch without penalties costs nothing and a request's text never depends on
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 
@@ -34,7 +35,13 @@ def apply_penalties(
 ) -> torch.Tensor:
     """Penalised logits. ``logits``: [B, V] float32, one row per ``params``; ``tokens[i]`` is row i's prompt
     followed by its completion so far, of which the first ``n_prompt[i]`` are the prompt. Returns
-    ``logits`` itself (modified in place) when some row needed it, unchanged otherwise."""
+    ``logits`` itself (modified in place) when some row needed it, unchanged otherwise.
+
+    Sparse on purpose: only the (row, token) pairs a request has seen are read and written, a few thousand
+    numbers a step. A dense [rows, vocab] count table (and its temporaries) cost 7-9 ms a step at 32 rows
+    of SmolLM2's 49,152-token vocabulary on a 2-core EPYC, a seventh of a decode step, for every chat
+    using the default frequency penalty. Each penalised logit gets the same float32 arithmetic as the
+    dense formula, so the result is bit-identical (tests/engine/test_penalties.py checks it)."""
     rows = [i for i, p in enumerate(params) if needs_penalty(p)]
     if not rows:
         return logits
@@ -42,22 +49,19 @@ def apply_penalties(
     with torch.inference_mode():  # the runner's logits are inference tensors: edit them in that mode
         rep = [i for i in rows if params[i].repetition_penalty != 1.0 and tokens[i]]
         if rep:
-            ids, _ = _padded([_valid(tokens[i], vocab) for i in rep])  # [R, L]
-            index = torch.tensor(rep)
-            sub = logits[index]  # [R, V] (a copy)
-            vals = sub.gather(1, ids)  # [R, L]: each seen token's logit (padding repeats a seen token)
-            penalty = torch.tensor([params[i].repetition_penalty for i in rep], dtype=sub.dtype)[:, None]
-            sub.scatter_(1, ids, torch.where(vals > 0, vals / penalty, vals * penalty))
-            logits[index] = sub
+            # Each token seen, once (a token seen twice is penalised once, as transformers does).
+            r, t, _ = _seen(rep, [_valid(tokens[i], vocab) for i in rep], vocab)
+            vals = logits[r, t]
+            penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)[r]
+            logits[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
         freq = [i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]
         if freq:
-            ids, weight = _padded([_valid(tokens[i][n_prompt[i] :], vocab) for i in freq])
-            index = torch.tensor(freq)
-            counts = torch.zeros(len(freq), vocab, dtype=logits.dtype)
-            counts.scatter_add_(1, ids, weight.to(logits.dtype))  # [R, V]: occurrences in the reply
-            f = torch.tensor([params[i].frequency_penalty for i in freq], dtype=logits.dtype)[:, None]
-            p = torch.tensor([params[i].presence_penalty for i in freq], dtype=logits.dtype)[:, None]
-            logits[index] -= counts * f + (counts > 0).to(logits.dtype) * p
+            r, t, counts = _seen(freq, [_valid(tokens[i][n_prompt[i] :], vocab) for i in freq], vocab)
+            if r.numel():
+                c = counts.to(logits.dtype)
+                f = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)[r]
+                pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)[r]
+                logits[r, t] = logits[r, t] - (c * f + (c > 0).to(logits.dtype) * pres)
     return logits
 
 
@@ -65,14 +69,14 @@ def _valid(ids: Sequence[int], vocab: int) -> Sequence[int]:
     return ids if not ids or (min(ids) >= 0 and max(ids) < vocab) else [t for t in ids if 0 <= t < vocab]
 
 
-def _padded(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, L] token ids (short rows padded with token 0) and [R, L] weights (1 real, 0 padding)."""
-    width = max(1, max(len(s) for s in seqs))
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    weight = torch.zeros(len(seqs), width)
-    for r, s in enumerate(seqs):
-        if s:
-            ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
-            weight[r, : len(s)] = 1.0
-            ids[r, len(s) :] = s[0]  # padding repeats a real token: gather/scatter of it is harmless
-    return ids, weight
+def _seen(
+    rows: Sequence[int], seqs: Sequence[Sequence[int]], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct (row, token) pairs of ``seqs`` (``seqs[j]`` belongs to batch row ``rows[j]``) as
+    row and token index tensors, with how often each pair occurs."""
+    ids = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
+    owner = torch.repeat_interleave(
+        torch.tensor(rows, dtype=torch.long), torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    )
+    pairs, counts = torch.unique(owner * vocab + ids, return_counts=True)
+    return pairs // vocab, pairs % vocab, counts

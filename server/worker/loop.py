@@ -517,7 +517,8 @@ class Worker:
             t0 = time.perf_counter()
             held = await self._write(ops)
             now = time.monotonic()
-            metrics.REDIS_RTT.observe(time.perf_counter() - t0)
+            if ops:  # an empty write never asked Redis: no round trip to report
+                metrics.REDIS_RTT.observe(time.perf_counter() - t0)
             for op, ok in zip(ops, held, strict=True):
                 key = op.item.req_key
                 if ok and op.n:

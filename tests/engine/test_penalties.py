@@ -41,6 +41,59 @@ def test_frequency_and_presence_count_only_the_reply() -> None:
     assert out.tolist() == [[0.0, -1.5, -2.5, 0.0, 0.0, 0.0]]
 
 
+def _dense_reference(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[list[int]], n_prompt: list[int]
+) -> torch.Tensor:
+    """The formulas over whole [rows, vocab] tables, as apply_penalties computed them before it went
+    sparse: the sparse one must give the very same floats."""
+    vocab = logits.shape[-1]
+    for i, p in enumerate(params):
+        seen = sorted({t for t in tokens[i] if 0 <= t < vocab})
+        if p.repetition_penalty != 1.0 and seen:
+            vals = logits[i, seen]
+            pen = torch.tensor(p.repetition_penalty, dtype=logits.dtype)
+            logits[i, seen] = torch.where(vals > 0, vals / pen, vals * pen)
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            counts = torch.zeros(vocab, dtype=logits.dtype)
+            for t in tokens[i][n_prompt[i] :]:
+                if 0 <= t < vocab:
+                    counts[t] += 1
+            f = torch.tensor(p.frequency_penalty, dtype=logits.dtype)
+            pres = torch.tensor(p.presence_penalty, dtype=logits.dtype)
+            logits[i] -= counts * f + (counts > 0).to(logits.dtype) * pres
+    return logits
+
+
+def test_sparse_penalties_equal_the_dense_formulas_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(7)
+
+    def pick(options: list[float]) -> float:
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    for _case in range(60):
+        rows, vocab = int(torch.randint(1, 9, (1,), generator=gen)), 64
+        logits = torch.randn(rows, vocab, generator=gen) * 5
+        params, tokens, n_prompt = [], [], []
+        for _ in range(rows):
+            params.append(
+                SamplingParams(
+                    repetition_penalty=pick([1.0, 1.0, 1.2, 0.8]),
+                    frequency_penalty=pick([0.0, 0.3, -0.7, 1.9]),
+                    presence_penalty=pick([0.0, 0.0, 0.5, -1.25]),
+                )
+            )
+            n = int(torch.randint(0, 12, (1,), generator=gen))
+            # Repeats (few distinct ids), the odd id out of the vocabulary, an empty reply now and then.
+            seq = torch.randint(
+                -2, vocab + 2, (n + int(torch.randint(0, 20, (1,), generator=gen)),), generator=gen
+            )
+            tokens.append([int(x) for x in seq % 20] if _case % 3 else [int(x) for x in seq])
+            n_prompt.append(n)
+        want = _dense_reference(logits.clone(), params, tokens, n_prompt)
+        got = apply_penalties(logits.clone(), params, tokens, n_prompt)
+        assert torch.equal(got, want), _case
+
+
 def test_only_rows_that_ask_are_touched_and_inference_tensors_are_fine() -> None:
     with torch.inference_mode():  # the runner's logits come out of inference mode
         logits = torch.ones(3, 4)

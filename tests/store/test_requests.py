@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -172,6 +172,14 @@ async def test_log_reader_replays_then_follows(
         await reader_r.aclose()
 
 
+async def _soon(check: Callable[[], Awaitable[object]]) -> None:
+    """Poll ``check`` until it answers something true, for up to 2 s (the caller asserts afterwards)."""
+    for _ in range(100):
+        if await check():
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_log_reader_wake_stream_expires_and_renews_its_expiry_rarely(
     redis: aioredis.Redis, keys: Keys, new_client: Callable[[], Any]
 ) -> None:
@@ -184,29 +192,32 @@ async def test_log_reader_wake_stream_expires_and_renews_its_expiry_rarely(
     reader_r = new_client()
     reader = LogReader(reader_r, keys, "test", block_ms=1000)
     wake = reader.reader_for(item.log_key).wake_key
+
+    def attach_one() -> None:  # a stream attached and gone: the reader XADDs a wake-up
+        reader.unsubscribe(reader.subscribe(item.log_key, 0))
+
     reader.start()
     try:
-        reader.unsubscribe(reader.subscribe(item.log_key, 0))
-        for _ in range(100):
-            if await redis.exists(wake):
-                break
-            await asyncio.sleep(0.02)
+        attach_one()
+        await _soon(lambda: redis.exists(wake))
         assert 0 < await redis.pttl(wake) <= logs.WAKE_TTL_MS
         await redis.persist(wake)  # as a lost key comes back from the next XADD: no expiry
         entries = await redis.xlen(wake)
-        reader.unsubscribe(reader.subscribe(item.log_key, 0))
-        for _ in range(100):
-            if await redis.xlen(wake) > entries:
-                break
-            await asyncio.sleep(0.02)
+        attach_one()
+
+        async def grew() -> bool:
+            return bool(await redis.xlen(wake) > entries)
+
+        await _soon(grew)
         assert await redis.xlen(wake) > entries  # woken again ...
         assert await redis.pttl(wake) == -1  # ... without another PEXPIRE within the renewal period
         reader.reader_for(item.log_key)._renew_at = 0.0  # the period is over
-        reader.unsubscribe(reader.subscribe(item.log_key, 0))
-        for _ in range(100):
-            if await redis.pttl(wake) > 0:
-                break
-            await asyncio.sleep(0.02)
+        attach_one()
+
+        async def expires() -> bool:
+            return bool(await redis.pttl(wake) > 0)
+
+        await _soon(expires)
         assert 0 < await redis.pttl(wake) <= logs.WAKE_TTL_MS
     finally:
         await reader.stop()

@@ -103,7 +103,7 @@ async def redis(redis_url: str, keys: Keys) -> AsyncIterator[aioredis.Redis]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_model import build_tiny_model
+    from server.bench.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -111,6 +111,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def peaky_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama whose greedy text varies and never sits on a near tie (see build_tiny_model)."""
-    from tests.tiny_model import build_tiny_model
+    from server.bench.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("peaky-llama"), init_range=0.5)

@@ -24,12 +24,12 @@ process.on("exit", () => {
   for (const p of live) p.kill("SIGKILL");
 });
 
-/** The model folder: $TOKENWIRE_MODEL_DIR, else the tiny random Llama of tests/tiny_model.py. */
+/** The model folder: $TOKENWIRE_MODEL_DIR, else the tiny random Llama of server/bench/tiny_model.py. */
 export function modelDir() {
   if (process.env.TOKENWIRE_MODEL_DIR) return process.env.TOKENWIRE_MODEL_DIR;
   const dir = join(tmpdir(), "tokenwire-js-tiny-model");
   if (!existsSync(join(dir, "config.json"))) {
-    execFileSync(PYTHON, ["-c", `from pathlib import Path\nfrom tests.tiny_model import build_tiny_model\nbuild_tiny_model(Path(${JSON.stringify(dir)}))`], {
+    execFileSync(PYTHON, ["-c", `from pathlib import Path\nfrom server.bench.tiny_model import build_tiny_model\nbuild_tiny_model(Path(${JSON.stringify(dir)}))`], {
       cwd: REPO,
       stdio: ["ignore", "ignore", "inherit"],
       timeout: 120_000,

@@ -363,16 +363,33 @@ def _noisy(work: Path, quick: bool) -> dict[str, Any]:
 
 def _store_run(work: Path, quick: bool) -> dict[str, Any]:
     """What the store pays per token (issue 28): a 1 + 1 cluster on a Valkey of its own, the gateway's
-    pid for its CPU per token."""
+    pid for its CPU per token. Four runs of one workload: the default model (a CPU worker's few tokens a
+    second per stream), then a tiny random model that this CPU streams at a GPU worker's rate; each with
+    the worker writing every step, then gathering steps for STORE_FLUSH_MS per write (--log-flush-ms).
+    What a token costs the store depends on how many tokens a log entry carries, so on the rate per
+    stream, which the model sets; the store path is the same."""
+    from server.bench.tiny_model import build_tiny_model
+
     workload, _users = _workload(quick)
-    cost = _cluster_scenario(work, "store-cost", 18920, workload, own_valkey=True, gateway_pid=True)
-    # The same with the worker gathering steps for STORE_FLUSH_MS per write (--log-flush-ms).
     flush = ("--log-flush-ms", str(STORE_FLUSH_MS))
-    gathered = _cluster_scenario(
-        work, "store-cost", 18925, workload, own_valkey=True, gateway_pid=True, cluster_args=flush,
-        name="store-cost-flush",
-    )  # fmt: skip
-    return {"store_cost": cost, "store_cost_flush": gathered}
+    fast_model = work / "fast-model"
+    if not (fast_model / "config.json").exists():
+        build_tiny_model(fast_model, init_range=0.5)  # peaky: its text varies, as a real reply's does
+    fast = ("--model", str(fast_model))
+    out: dict[str, Any] = {}
+    for i, (name, args) in enumerate(
+        (
+            ("store_cost", ()),
+            ("store_cost_flush", flush),
+            ("store_cost_fast", fast),
+            ("store_cost_fast_flush", (*fast, *flush)),
+        )
+    ):
+        out[name] = _cluster_scenario(
+            work, "store-cost", 18920 + 5 * i, workload, own_valkey=True, gateway_pid=True, cluster_args=args,
+            name=name.replace("_", "-"),
+        )  # fmt: skip
+    return out
 
 
 def _gateway_loss_run(work: Path, quick: bool) -> dict[str, Any]:
@@ -542,7 +559,12 @@ def main(argv: list[str] | None = None) -> int:
     from server.load import capacity
 
     if capacity.load_sections(work):
-        capacity.main(["--bench-dir", str(work), "--markdown", str(args.out.with_name("CAPACITY.md"))])
+        capacity.main(
+            [
+                "--bench-dir", str(work), "--markdown", str(args.out.with_name("CAPACITY.md")),
+                "--compare-gpu", str(CAPACITY_GPU_TOK_S),
+            ]
+        )  # fmt: skip
     return 0
 
 
@@ -792,7 +814,7 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
     if "idle" in r:
         lines += _render_idle(r["idle"])
     if "store_cost" in r:
-        lines += _render_store(r["store_cost"], r.get("store_cost_flush"))
+        lines += _render_store(r)
     if "soak" in r:
         lines += _render_soak(r["soak"])
     lines += render_noisy(r.get("noisy"))
@@ -1316,6 +1338,9 @@ STORE_BEFORE: dict[str, Any] = {
     },
 }
 STORE_FLUSH_MS = 250
+# CAPACITY.md's second deployment: GPU workers at this many tokens/s each. A parameter, not a measurement
+# (no GPU has run this engine here): a mid-sized model's batch on one data-centre GPU.
+CAPACITY_GPU_TOK_S = 5000
 
 
 def _net_verdict(met_net: dict[str, bool] | None) -> str:
@@ -1326,10 +1351,24 @@ def _net_verdict(met_net: dict[str, bool] | None) -> str:
     return "; net of the idle loops: " + ", ".join(verdicts)
 
 
-def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> list[str]:
+# The store-cost runs of benchmarks.py's store section (_store_run), in the order of the table's columns.
+STORE_RUNS = (
+    ("store_cost", "CPU rate, every step"),
+    ("store_cost_flush", f"CPU rate, `--log-flush-ms {STORE_FLUSH_MS}`"),
+    ("store_cost_fast", "GPU rate, every step"),
+    ("store_cost_fast_flush", f"GPU rate, `--log-flush-ms {STORE_FLUSH_MS}`"),
+)
+
+
+def _verdicts(run: dict[str, Any]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {'met' if v else '**missed**'}" for k, v in run["met"].items())
+
+
+def _render_store(r: dict[str, Any]) -> list[str]:
+    sc = r["store_cost"]
     s, t, cfg = sc["store"], sc["targets"], sc["config"]
     before = STORE_BEFORE["store"]
-    fs = flush["store"] if flush else {}
+    runs = [(label, r[key]) for key, label in STORE_RUNS if r.get(key)]
     rows = [
         ("Redis commands per token", "commands_per_token", t["commands_per_token"], 3),
         ("Redis CPU per token, µs", "us_per_token", t["us_per_token"], 2),
@@ -1337,46 +1376,70 @@ def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> li
         ("bytes out of Redis per token", "bytes_out_per_token", None, 1),
         ("memory kept per token (retained), bytes", "memory_bytes_per_token", None, 1),
     ]
-    head = (
-        f"| per generated token | before ({STORE_BEFORE['commit']}) | now | now, `--log-flush-ms "
-        f"{STORE_FLUSH_MS}` | target |"
-    )
+
+    def rate(run: dict[str, Any]) -> str:
+        tok_s, users = run["load"].get("tok_s") or 0.0, run["config"].get("users") or 1
+        return f"{tok_s:,.0f} tok/s, {tok_s / users:,.1f} per stream"
+
     lines = [
         "",
         "## The store's cost (`tokenwire load URL --scenario store-cost --redis-url R`)",
         "",
         f"`tokenwire cluster --gateways 1 --workers 1` on a Valkey of its own; {cfg['users']} users, "
         f"{sc['requests']} requests, {sc['tokens']:,} tokens. Every figure is a difference of that Valkey's "
-        "`INFO` (commands counted inside Lua too), idle loops included. The last column runs the same "
-        f"workload with the worker writing the logs at most every {STORE_FLUSH_MS} ms (several steps' "
-        "tokens of a reply in one entry).",
+        "`INFO` (commands counted inside Lua too), idle loops included. A token costs the store what the "
+        "log entry carrying it costs, shared by the tokens in that entry, so the figures depend on the rate "
+        "of each stream. The *CPU rate* runs serve the default model, as a CPU worker does ("
+        + rate(sc)
+        + "). The *GPU rate* runs serve a tiny random model of the same architecture, which this CPU streams "
+        "at the rate a GPU worker streams a real one ("
+        + (rate(r["store_cost_fast"]) if r.get("store_cost_fast") else "not run")
+        + "). Both go through the same store path. Each runs with the worker writing every engine step (the "
+        f"default), then at most every {STORE_FLUSH_MS} ms (`--log-flush-ms`: several steps' tokens of a "
+        "reply in one entry).",
         "",
-        head,
-        "| --- | ---: | ---: | ---: | ---: |",
+        f"| per generated token | before ({STORE_BEFORE['commit']}) | "
+        + " | ".join(label for label, _ in runs)
+        + " | target |",
+        "| --- | ---: | " + " | ".join("---:" for _ in runs) + " | ---: |",
     ]
     for label, key, target, digits in rows:
         tgt = "—" if target is None else f"≤ {target:g}"
-        lines.append(
-            f"| {label} | {_f(before.get(key), digits)} | {_f(s.get(key), digits)} | "
-            f"{_f(fs.get(key), digits)} | {tgt} |"
-        )
+        cells = " | ".join(_f(run["store"].get(key), digits) for _, run in runs)
+        lines.append(f"| {label} | {_f(before.get(key), digits)} | {cells} | {tgt} |")
+    # What the flush costs the reader: its tokens come later and in bursts.
+    for label, key in (("TTFT p50, ms", "ttft_p50_ms"), ("inter-token p50, ms", "itl_p50_ms")):
+        cells = " | ".join(_f(run["load"].get(key), 0) for _, run in runs)
+        lines.append(f"| {label} | — | {cells} | — |")
     by = list((s.get("commands_per_token_by_name") or {}).items())[:8]
     if by:
-        lines += ["", "Commands per token, now, by name: " + ", ".join(f"{k} {v:g}" for k, v in by) + "."]
-    pr, rs = s["per_request"], s["per_resume"]
-    net, fnet = s.get("net_of_idle_per_token"), fs.get("net_of_idle_per_token") or {}
-    if net:
+        lines += [
+            "",
+            "Commands per token, CPU rate, every step, by name: "
+            + ", ".join(f"{k} {v:g}" for k, v in by)
+            + ".",
+        ]
+    us = list((s.get("us_per_token_by_name") or {}).items())[:6]
+    if us:
+        lines.append(
+            "Redis's µs per token executing them (a script's time includes the commands it runs): "
+            + ", ".join(f"{k} {v:g}" for k, v in us)
+            + "; the rest of its CPU is its event loop and sockets."
+        )
+    if s.get("net_of_idle_per_token"):
         from server.load.store_cost import NET_KEYS
 
         lines += [
             "",
-            "The same per token once the idle server's own loops (heartbeats, refreshes, blocking reads: the "
-            "last table's idle row, a cost per second and process) are taken off for the run's duration; "
-            "what the capacity model counts per token, since it counts those loops per process:",
+            "The same per token once the idle server's own rate (an idle Valkey's timers, the processes' "
+            "heartbeats, refreshes and blocking reads: the idle row below, a cost per second and process) is "
+            "taken off for the run's duration; what the capacity model counts per token, since it counts "
+            "those loops per process:",
             "",
-            "| per generated token, net of the idle loops | now | now, `--log-flush-ms "
-            f"{STORE_FLUSH_MS}` | target |",
-            "| --- | ---: | ---: | ---: |",
+            "| per generated token, net of the idle loops | "
+            + " | ".join(label for label, _ in runs)
+            + " | target |",
+            "| --- | " + " | ".join("---:" for _ in runs) + " | ---: |",
         ]
         for label, target_key, digits in (
             ("Redis commands per token", "commands_per_token", 3),
@@ -1384,16 +1447,23 @@ def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> li
             ("bytes into Redis per token", "bytes_per_token", 1),
         ):
             key = NET_KEYS[target_key]
-            lines.append(
-                f"| {label} | {_f(net.get(key), digits)} | {_f(fnet.get(key), digits)} | "
-                f"≤ {t[target_key]:g} |"
+            cells = " | ".join(
+                _f((run["store"].get("net_of_idle_per_token") or {}).get(key), digits) for _, run in runs
             )
+            lines.append(f"| {label} | {cells} | ≤ {t[target_key]:g} |")
     lines += [
         "",
         "| other unit costs | commands | Redis CPU µs | bytes in | bytes out |",
         "| --- | ---: | ---: | ---: | ---: |",
-        f"| per request | {_f(pr['commands'], 1)} | {_f(pr['us'], 1)} | {_f(pr['bytes_in'], 0)} | "
-        f"{_f(pr['bytes_out'], 0)} |",
+    ]
+    for label, run in runs:
+        pr = run["store"]["per_request"]
+        lines.append(
+            f"| per request, {label} | {_f(pr['commands'], 1)} | {_f(pr['us'], 1)} | "
+            f"{_f(pr['bytes_in'], 0)} | {_f(pr['bytes_out'], 0)} |"
+        )
+    rs = s["per_resume"]
+    lines += [
         f"| per whole-reply resume ({rs['tokens_per_resume']} tokens) | {_f(rs['commands'], 1)} | "
         f"{_f(rs['us'], 1)} | {_f(rs['bytes_in'], 0)} | {_f(rs['bytes_out'], 0)} |",
         f"| idle server, per second | {_f(s['idle']['commands_per_s'], 1)} | {_f(s['idle']['us_per_s'], 1)}"
@@ -1401,23 +1471,14 @@ def _render_store(sc: dict[str, Any], flush: dict[str, Any] | None = None) -> li
         "",
         f"An idle session (one short turn) keeps **{_f(s['bytes_per_session'], 0)} bytes** in "
         f"{s['keys_per_session']} keys. The gateway's CPU per streamed token: "
-        f"**{_f(s.get('server_pid_us_per_token'), 1)} µs**.",
-        "",
-        "Targets: "
-        + ", ".join(f"{k.replace('_', ' ')} {'met' if v else '**missed**'}" for k, v in sc["met"].items())
-        + _net_verdict(sc.get("met_net_of_idle"))
-        + ".",
-    ]
-    if flush and flush.get("met"):
-        # The same targets for the last column: an operator's choice of latency for store cost.
-        lines.append(
-            f"With `--log-flush-ms {STORE_FLUSH_MS}`: "
-            + ", ".join(
-                f"{k.replace('_', ' ')} {'met' if v else '**missed**'}" for k, v in flush["met"].items()
-            )
-            + _net_verdict(flush.get("met_net_of_idle"))
-            + "."
+        + ", ".join(
+            f"{label} **{_f(run['store'].get('server_pid_us_per_token'), 1)} µs**" for label, run in runs
         )
+        + ".",
+        "",
+    ]
+    for label, run in runs:
+        lines.append(f"Targets, {label}: " + _verdicts(run) + _net_verdict(run.get("met_net_of_idle")) + ".")
     if STORE_BEFORE["measured"]:
         lines.append(f"Before: measured {STORE_BEFORE['measured']} at commit {STORE_BEFORE['commit']}.")
     return lines

@@ -20,6 +20,7 @@ Nothing here is measured at a million users.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -104,21 +105,41 @@ def _get(d: Any, *path: str) -> Any:
     return d
 
 
-def unit_costs(sections: dict[str, dict[str, Any]]) -> dict[str, Unit]:
-    """The measured unit costs the model uses (a value of None: that section was not run)."""
+# The store section's runs (benchmarks.py, _store_run) by the workers' rate per stream and --log-flush-ms:
+# what a token costs the store depends on how many tokens each log entry carries.
+_GPU_RATE = " at a GPU worker's rate (TINY: server/bench/tiny_model.py, streamed as fast as a GPU streams)"
+STORE_RUNS = {
+    ("cpu", 0): ("store_cost", "", ""),
+    ("cpu", 250): ("store_cost_flush", " --log-flush-ms 250", ""),
+    ("gpu", 0): ("store_cost_fast", " --model TINY", _GPU_RATE),
+    ("gpu", 250): ("store_cost_fast_flush", " --model TINY --log-flush-ms 250", _GPU_RATE),
+}
+
+
+def unit_costs(
+    sections: dict[str, dict[str, Any]], *, workers: str = "cpu", log_flush_ms: int = 0
+) -> dict[str, Unit]:
+    """The measured unit costs the model uses (a value of None: that section was not run). The store's
+    per-token costs come from the run at the workers' rate (``cpu``: the default model on this CPU;
+    ``gpu``: a tiny model this CPU streams as fast as a GPU streams a real one) and ``log_flush_ms``;
+    from the CPU-rate default run where that one is missing (an older ``.bench``)."""
 
     def when(name: str) -> str:
         return str(_get(sections, name, "measured") or "")
 
     idle = _get(sections, "idle", "results", "idle", "idle") or {}
-    store = _get(sections, "store", "results", "store_cost") or {}
+    run, cluster_args, rate = STORE_RUNS[(workers, log_flush_ms)]
+    store = _get(sections, "store", "results", run) or {}
+    if not store:
+        run, cluster_args, rate = STORE_RUNS[("cpu", 0)]
+        store = _get(sections, "store", "results", run) or {}
     st = store.get("store") or {}
     cluster = _get(sections, "cluster", "results") or {}
     loss = _get(sections, "gateway-loss", "results", "gateway_loss") or {}
     src_idle = "idle: `tokenwire load --idle-only --idle 5000 --server-pid` on `tokenwire serve`"
     src_store = (
         "store: `tokenwire load --scenario store-cost --redis-url R --server-pid GW` on "
-        "`tokenwire cluster --gateways 1 --workers 1`"
+        f"`tokenwire cluster --gateways 1 --workers 1{cluster_args}`{rate}"
     )
     src_net = src_store + (" (net of the idle loops)" if st.get("net_of_idle_per_token") else "")
     per_request = None
@@ -357,9 +378,46 @@ def herd(load: Load, plans: list[Plan], units: dict[str, Unit]) -> str | None:
     return line + " (extrapolated from the gateway-loss run)"
 
 
-def render(load: Load, budget: Budget, units: dict[str, Unit], *, markdown: bool) -> str:
+def _deployment(load: Load, budget: Budget, units: dict[str, Unit]) -> list[str]:
+    """The deployment table for ``load`` and what it says about it."""
     plans, missing = plan(load, budget, units)
     first = first_to_run_out(plans)
+    lines = [
+        "| component | count | each | needs (by resource, before the spare) | bound by |",
+        "| --- | ---: | --- | --- | --- |",
+    ]
+    for p in plans:
+        needs = ", ".join(f"{k} {x:,.1f}" for k, x in p.limits.items())
+        lines.append(f"| {p.component} | {p.count} | {p.per_process} | {needs} | {p.binding} |")
+    lines.append("")
+    lines.append("Gateways and workers include one spare: the loss of any one leaves the rest enough room.")
+    if first:
+        lines.append(
+            f"First to run out as the load grows: **{first[0]} {first[1]}** "
+            f"({first[2]:.0%} of what the deployment holds, in normal operation)."
+        )
+    h = herd(load, plans, units)
+    if h:
+        lines.append(f"Gateway loss: {h}.")
+    if missing:
+        lines += ["", "Not sized (no measurement): " + "; ".join(missing) + "."]
+    return lines
+
+
+def _val(x: Unit) -> str:
+    return "not measured" if x.value is None else f"{x.value:,.3g} {x.unit}".strip()
+
+
+def render(
+    load: Load,
+    budget: Budget,
+    units: dict[str, Unit],
+    *,
+    markdown: bool,
+    gpu: tuple[Budget, dict[str, Unit]] | None = None,
+) -> str:
+    """The report; ``gpu``: the same load sized again with GPU workers (their rate a parameter, the
+    store's cost per token from its run at a GPU rate), as a second deployment."""
     lines = []
     if markdown:
         lines += [
@@ -381,24 +439,22 @@ def render(load: Load, budget: Budget, units: dict[str, Unit], *, markdown: bool
         "",
         "## Deployment",
         "",
-        "| component | count | each | needs (by resource, before the spare) | bound by |",
-        "| --- | ---: | --- | --- | --- |",
+        *_deployment(load, budget, units),
     ]
-    for p in plans:
-        needs = ", ".join(f"{k} {x:,.1f}" for k, x in p.limits.items())
-        lines.append(f"| {p.component} | {p.count} | {p.per_process} | {needs} | {p.binding} |")
-    lines.append("")
-    lines.append("Gateways and workers include one spare: the loss of any one leaves the rest enough room.")
-    if first:
-        lines.append(
-            f"First to run out as the load grows: **{first[0]} {first[1]}** "
-            f"({first[2]:.0%} of what the deployment holds, in normal operation)."
-        )
-    h = herd(load, plans, units)
-    if h:
-        lines.append(f"Gateway loss: {h}.")
-    if missing:
-        lines += ["", "Not sized (no measurement): " + "; ".join(missing) + "."]
+    if gpu is not None:
+        gb, gu = gpu
+        store = gu["Redis CPU per token"]
+        lines += [
+            "",
+            f"## The same load on GPU workers ({gb.worker_tokens_per_s or 0:,.0f} tok/s each: a parameter, "
+            "not measured here)",
+            "",
+            "A GPU streams each reply many times faster than this CPU, so each token log entry carries "
+            f"several tokens and a token costs the store less: {_val(store)} of Redis CPU and "
+            f"{_val(gu['bytes into Redis per token'])} in per token, from {store.source}.",
+            "",
+            *_deployment(load, gb, gu),
+        ]
     lines += [
         "",
         "## Unit costs",
@@ -407,7 +463,7 @@ def render(load: Load, budget: Budget, units: dict[str, Unit], *, markdown: bool
         "| --- | ---: | --- | --- |",
     ]
     for x in units.values():
-        val = "not measured" if x.value is None else f"{x.value:,.3g} {x.unit}".strip()
+        val = _val(x)
         lines.append(f"| {x.name} | {val} | {x.source} | {x.measured or '—'} |")
     lines += [
         "",
@@ -455,6 +511,13 @@ def main(argv: list[str] | None = None) -> int:
         help="one worker's tokens/s (a GPU's; default: the measured CPU worker)",
     )
     p.add_argument("--worker-streams", type=int, default=db.worker_streams, help="streams per worker")
+    p.add_argument(
+        "--log-flush-ms",
+        type=int,
+        choices=(0, 250),
+        default=0,
+        help="the workers' --log-flush-ms: the store's cost per token is measured at 0 and 250",
+    )
     p.add_argument("--gateway-cores", type=float, default=db.gateway_cores)
     p.add_argument("--gateway-memory-gib", type=float, default=db.gateway_memory_gib)
     p.add_argument("--gateway-max-connections", type=int, default=db.gateway_max_connections)
@@ -462,6 +525,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-memory-gib", type=float, default=db.redis_memory_gib)
     p.add_argument("--retention", type=float, default=db.retention_s, help="the servers' --retention, s")
     p.add_argument("--utilization", type=float, default=db.utilization, help="gateways/workers, 0-1")
+    p.add_argument(
+        "--compare-gpu",
+        type=float,
+        metavar="TOK_S",
+        help="--markdown: also size the load on GPU workers of TOK_S tokens/s each (store at a GPU rate)",
+    )
+    p.add_argument(
+        "--compare-gpu-flush-ms",
+        type=int,
+        choices=(0, 250),
+        default=250,
+        help="those GPU workers' --log-flush-ms (default 250)",
+    )
     p.add_argument("--json", type=Path, help="write the plan and unit costs as JSON")
     p.add_argument("--markdown", type=Path, help="write the report as Markdown (CAPACITY.md)")
     args = p.parse_args(argv)
@@ -496,7 +572,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    units = unit_costs(sections)
+    # A worker's rate given: GPU workers, whose streams are fast enough to fill a log entry with tokens.
+    units = unit_costs(
+        sections, workers="gpu" if args.worker_tokens_per_s else "cpu", log_flush_ms=args.log_flush_ms
+    )
     plans, missing = plan(load, budget, units)
     if args.json:
         args.json.write_text(
@@ -517,7 +596,11 @@ def main(argv: list[str] | None = None) -> int:
             + "\n"
         )
     if args.markdown:
-        args.markdown.write_text(render(load, budget, units, markdown=True))
+        gpu = None
+        if args.compare_gpu and not args.worker_tokens_per_s:
+            gb = dataclasses.replace(budget, worker_tokens_per_s=args.compare_gpu)
+            gpu = (gb, unit_costs(sections, workers="gpu", log_flush_ms=args.compare_gpu_flush_ms))
+        args.markdown.write_text(render(load, budget, units, markdown=True, gpu=gpu))
     console = Console()
     t = Table(title=f"{load.users:,} users, {load.streaming:,} streaming, {load.tokens_per_s:,.0f} tok/s")
     for col in ("component", "count", "each", "bound by"):

@@ -106,18 +106,20 @@ async def _hostile_client(
 def _gaps(result: LoadResult) -> dict[str, Any]:
     ok = [r for r in result.records if r.ok]
     itl = sorted(x for r in ok for x in r.itl)
+    ttft = sorted(r.first_at - r.sent_at for r in ok if r.first_at is not None and r.sent_at is not None)
     tokens = sum(r.tokens for r in ok)
 
-    def pct(p: float) -> float | None:
-        if not itl:
+    def pct(p: float, xs: list[float] = itl) -> float | None:
+        if not xs:
             return None
-        return round(itl[min(len(itl) - 1, round((len(itl) - 1) * p / 100))] * 1000, 1)
+        return round(xs[min(len(xs) - 1, round((len(xs) - 1) * p / 100))] * 1000, 1)
 
     return {
         "requests_ok": len(ok),
         "requests_failed": len(result.records) - len(ok),
         "tokens": tokens,
         "tok_s": round(tokens / result.window_s, 1) if result.window_s > 0 else None,
+        "ttft_p50_ms": pct(50, ttft),
         "itl_p50_ms": pct(50),
         "itl_p99_ms": pct(99),
         "itl_max_ms": round(itl[-1] * 1000, 1) if itl else None,

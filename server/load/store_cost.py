@@ -42,9 +42,13 @@ SESSIONS = 64
 async def _stats(r: aioredis.Redis) -> dict[str, Any]:
     """The server-wide counters the phases are measured by."""
     info = await r.info("all")
-    by = {k[8:]: int(v["calls"]) for k, v in info.items() if k.startswith("cmdstat_") and isinstance(v, dict)}
+    stats = {k[8:]: v for k, v in info.items() if k.startswith("cmdstat_") and isinstance(v, dict)}
+    by = {k: int(v["calls"]) for k, v in stats.items()}
     return {
         "by_command": by,
+        # Microseconds spent executing each command (a script's own commands inside its call's time);
+        # used_cpu less their sum is what the event loop and the sockets cost.
+        "us_by_command": {k: int(v["usec"]) for k, v in stats.items()},
         "commands": sum(by.values()),
         "cpu_s": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
         "net_in": int(info["total_net_input_bytes"]),
@@ -54,9 +58,12 @@ async def _stats(r: aioredis.Redis) -> dict[str, Any]:
     }
 
 
-def _by_command(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[str, float]:
-    """Calls per ``n`` of each command that ran, most first: where the commands per token go."""
-    b, a = before["by_command"], after["by_command"]
+def _by_command(
+    before: dict[str, Any], after: dict[str, Any], n: int, what: str = "by_command"
+) -> dict[str, float]:
+    """Calls (or, with ``what="us_by_command"``, execution µs) per ``n`` of each command that ran, most
+    first: where the commands per token go."""
+    b, a = before[what], after[what]
     diff = {k: (v - b.get(k, 0)) / max(1, n) for k, v in a.items() if v > b.get(k, 0)}
     return {k: round(v, 3) for k, v in sorted(diff.items(), key=lambda kv: -kv[1])}
 
@@ -201,6 +208,7 @@ async def run_store_cost(cfg: LoadConfig, redis_url: str, key_prefix: str) -> di
         "bytes_out_per_token": per_token["bytes_out"],
         "memory_bytes_per_token": per_token["memory_bytes"],
         "commands_per_token_by_name": _by_command(idle1, after, tokens),
+        "us_per_token_by_name": _by_command(idle1, after, tokens, "us_by_command"),
         "net_of_idle_per_token": _net_per(idle0, idle1, idle1, after, tokens),
         "per_request": per_request,
         "per_resume": {**per_resume, "tokens_per_resume": round(replayed / max(1, len(todo)), 1)},
@@ -260,6 +268,11 @@ def print_store_cost(report: dict[str, Any]) -> None:
     )
     top = list(s.get("commands_per_token_by_name", {}).items())[:8]
     print("  commands per token: " + ", ".join(f"{k} {v}" for k, v in top))
+    us = list(s.get("us_per_token_by_name", {}).items())[:8]
+    # A script's call time includes the commands it runs, which are counted under their own names too.
+    print(
+        "  us executing per token (a script's includes its commands): " + ", ".join(f"{k} {v}" for k, v in us)
+    )
     print(f"  idle session: {s['bytes_per_session']} bytes in {s['keys_per_session']} keys")
     if s.get("server_pid_us_per_token") is not None:
         print(f"  --server-pid process: {s['server_pid_us_per_token']} us CPU per token")

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from server.bench.tiny_model import build_tokenizer
 from server.engine import prompt
 from server.engine.model import ModelNotFound, default_model_dir
 from server.engine.prompt import ChatPrompter, PromptTooLarge
-from tests.tiny_model import build_tokenizer
 
 HUGE = 900_000  # the flood's message: under the 1 MiB frame limit
 PIECES = ["y", " ", "\n", "#", "0", "ab", "é", "東京", "🚀", "<|im_start|>", "\x04", "the quick brown fox "]

@@ -120,3 +120,80 @@ def test_store_cost_takes_the_idle_rate_off_for_the_phase() -> None:
     # Never below zero (a phase quieter than the idle reading), and nothing per nothing.
     assert _net_per(idle0, idle1, before, snap(102.0, 30, 0.005, 1000), 10)["commands"] == 0.0
     assert _net_per(idle0, idle1, before, after, 0)["us"] is None
+
+
+def test_gpu_workers_are_sized_with_the_store_cost_at_a_gpu_rate(tmp_path: Path) -> None:
+    """A token costs the store what its log entry costs, shared by the entry's tokens, so GPU workers
+    (fast streams, many tokens per entry) take the run at a GPU rate, and --log-flush-ms its own run; an
+    older .bench without those runs falls back to the CPU-rate one, and says so in the source."""
+    from server.load.capacity import load_sections
+
+    bench = _sections(tmp_path)
+    sec = json.loads((bench / "section-store.json").read_text())
+    cpu = sec["results"]["store_cost"]
+    sec["results"]["store_cost_fast_flush"] = {**cpu, "store": {**cpu["store"], "us_per_token": 2.0}}
+    (bench / "section-store.json").write_text(json.dumps(sec))
+    sections = load_sections(bench)
+    assert unit_costs(sections)["Redis CPU per token"].value == 5.0
+    gpu = unit_costs(sections, workers="gpu", log_flush_ms=250)["Redis CPU per token"]
+    assert gpu.value == 2.0 and "--log-flush-ms 250" in gpu.source and "GPU" in gpu.source
+    missing = unit_costs(sections, workers="gpu")["Redis CPU per token"]  # no GPU run every step
+    assert missing.value == 5.0 and "TINY" not in missing.source
+
+    out = tmp_path / "CAPACITY.md"
+    args = ["--bench-dir", str(bench), "--markdown", str(out), "--worker-tokens-per-s", "5000"]
+    assert main([*args, "--log-flush-ms", "250"]) == 0
+    assert "| Redis CPU per token | 2 µs |" in out.read_text()
+
+
+def test_benchmarks_md_judges_each_store_run_against_the_targets() -> None:
+    from server.load.benchmarks import STORE_RUNS, _render_store
+
+    def run(us: float, tok_s: float) -> dict[str, object]:
+        store = {
+            "commands_per_token": 1.0,
+            "us_per_token": us,
+            "bytes_per_token": 100.0,
+            "per_request": {"commands": 50.0, "us": 500.0, "bytes_in": 4000.0, "bytes_out": 2000.0},
+            "per_resume": {
+                "tokens_per_resume": 48.0,
+                "commands": 14.0,
+                "us": 100.0,
+                "bytes_in": 900,
+                "bytes_out": 800,
+            },
+            "idle": {"commands_per_s": 8.0, "us_per_s": 2000.0},
+            "bytes_per_session": 360.0,
+            "keys_per_session": 2.0,
+        }
+        met = {"commands_per_token": True, "us_per_token": us <= 8, "bytes_per_token": True}
+        return {
+            "store": store, "config": {"users": 32}, "load": {"tok_s": tok_s}, "requests": 64, "tokens": 4400,
+            "targets": {"commands_per_token": 1.5, "us_per_token": 8.0, "bytes_per_token": 120.0}, "met": met,
+        }  # fmt: skip
+
+    r = {key: run(30.0 - 7 * i, 180.0 if i < 2 else 3000.0) for i, (key, _) in enumerate(STORE_RUNS)}
+    md = "\n".join(_render_store(r))
+    assert "| before (83e411b) | CPU rate, every step | CPU rate, `--log-flush-ms 250` | GPU rate" in md
+    assert "| Redis CPU per token, µs | 64.62 | 30.00 | 23.00 | 16.00 | 9.00 | ≤ 8 |" in md
+    assert "3,000 tok/s, 93.8 per stream" in md
+    assert "Targets, GPU rate, `--log-flush-ms 250`: commands per token met, us per token **missed**" in md
+    # An older run without the GPU-rate columns still renders, with the columns it has.
+    del r["store_cost_fast"], r["store_cost_fast_flush"]
+    assert "GPU rate, every step" not in "\n".join(_render_store(r)).split("not run")[1]
+
+
+def test_capacity_md_can_size_the_same_load_on_gpu_workers(tmp_path: Path) -> None:
+    bench = _sections(tmp_path)
+    sec = json.loads((bench / "section-store.json").read_text())
+    cpu = sec["results"]["store_cost"]
+    sec["results"]["store_cost_fast_flush"] = {**cpu, "store": {**cpu["store"], "us_per_token": 2.0}}
+    (bench / "section-store.json").write_text(json.dumps(sec))
+    out = tmp_path / "CAPACITY.md"
+    assert main(["--bench-dir", str(bench), "--markdown", str(out), "--compare-gpu", "5000"]) == 0
+    md = out.read_text()
+    head, gpu = md.split("## The same load on GPU workers (5,000 tok/s each")
+    assert "| Redis CPU per token | 5 µs |" in gpu  # the unit-cost table: the CPU deployment's
+    assert "2 µs of Redis CPU" in gpu.split("## Unit costs")[0] and "--log-flush-ms 250" in gpu
+    # 1e5 tok/s over 5,000 x 0.6 = 33.3; 50,000 streams over 256 = 195.3 -> 196, plus the spare.
+    assert "| workers | 197 | 5,000 tok/s" in gpu and "| workers | 197 |" not in head

@@ -1,5 +1,7 @@
 """A tiny randomly initialised Llama with a real byte-level BPE tokenizer and a chat template, built
-in-process in well under a second: for tests that need the real engine path but not real answers."""
+in-process in well under a second: for tests that need the real engine path but not real answers, and
+for the store-cost benchmark at a GPU worker's rate (benchmarks.py: a CPU streams this model's tokens as
+fast as a GPU streams a real model's, and the store cannot tell the difference)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def build_tokenizer() -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
     fast.chat_template = CHAT_TEMPLATE

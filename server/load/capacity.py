@@ -450,8 +450,9 @@ def render(
             "not measured here)",
             "",
             "A GPU streams each reply many times faster than this CPU, so each token log entry carries "
-            f"several tokens and a token costs the store less: {_val(store)} of Redis CPU and "
-            f"{_val(gu['bytes into Redis per token'])} in per token, from {store.source}.",
+            f"several tokens and a token costs the store and the gateway less: {_val(store)} of Redis CPU, "
+            f"{_val(gu['bytes into Redis per token'])} in and "
+            f"{_val(gu['gateway CPU per streamed token'])} of gateway CPU per token, from {store.source}.",
             "",
             *_deployment(load, gb, gu),
         ]

@@ -46,8 +46,9 @@ async def _stats(r: aioredis.Redis) -> dict[str, Any]:
     by = {k: int(v["calls"]) for k, v in stats.items()}
     return {
         "by_command": by,
-        # Microseconds spent executing each command (a script's own commands inside its call's time);
-        # used_cpu less their sum is what the event loop and the sockets cost.
+        # Microseconds spent executing each command. A script's call time includes the commands it runs,
+        # which are counted under their own names too; the top-level commands' time less Redis's CPU is
+        # what its event loop, its timers and the sockets cost.
         "us_by_command": {k: int(v["usec"]) for k, v in stats.items()},
         "commands": sum(by.values()),
         "cpu_s": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
@@ -84,8 +85,9 @@ def _net_per(
     idle0: dict[str, Any], idle1: dict[str, Any], before: dict[str, Any], after: dict[str, Any], n: int
 ) -> dict[str, float | None]:
     """Like ``_per`` once the idle server's own rate (measured from ``idle0`` to ``idle1``: heartbeats,
-    refreshes, blocking reads) is taken off for the phase's duration. Those loops cost per second and
-    per process, not per token: at this CPU's few dozen tokens a second they are a third of the gross
+    refreshes, blocking reads, and Valkey's own timers) is taken off for the phase's duration. Those
+    loops cost per second and per process (the timers per Valkey: benchmarks.py measures them before
+    the cluster starts), not per token: at this CPU's few dozen tokens a second they are a third of the gross
     figure, at a GPU worker's thousands almost nothing. The capacity model counts them per process, so
     it takes these figures per token, and counts nothing twice."""
     idle_s = idle1["at"] - idle0["at"]

@@ -197,3 +197,22 @@ def test_capacity_md_can_size_the_same_load_on_gpu_workers(tmp_path: Path) -> No
     assert "2 µs of Redis CPU" in gpu.split("## Unit costs")[0] and "--log-flush-ms 250" in gpu
     # 1e5 tok/s over 5,000 x 0.6 = 33.3; 50,000 streams over 256 = 195.3 -> 196, plus the spare.
     assert "| workers | 197 | 5,000 tok/s" in gpu and "| workers | 197 |" not in head
+
+
+def test_an_idle_valkeys_own_timers_are_counted_per_shard_not_per_process(tmp_path: Path) -> None:
+    """The store-cost run's idle rate is mostly its Valkey's own timers on a slow VM (measured alone
+    before the cluster starts): per shard. Only the rest is what each process adds."""
+    from server.load.capacity import load_sections
+
+    bench = _sections(tmp_path)
+    sec = json.loads((bench / "section-store.json").read_text())
+    sec["results"]["store_cost"]["valkey_alone_us_per_s"] = 150.0
+    (bench / "section-store.json").write_text(json.dumps(sec))
+    units = unit_costs(load_sections(bench))
+    assert units["Redis CPU of an idle process"].value == 25.0  # (200 - 150) / 2
+    assert units["Redis CPU of an idle shard (its own timers)"].value == 150.0
+    load = Load(users=1_000_000, streaming=50_000, tokens_per_s=100_000.0)
+    rs = {p.component: p for p in plan(load, Budget(worker_tokens_per_s=5_000.0, utilization=0.5), units)[0]}
+    # cpu: (1e5 x 5 + (50,000 / 60) x 100 + (6 + 197) x 25) us/s over half a core = 1.1768, then 21 shards
+    # (memory, as above) x 150 us/s over half a core = 0.0063 more.
+    assert round(rs["Redis shards"].limits["cpu"], 4) == round(1.17683 + 21 * 150 / 1e6 / 0.5, 4)

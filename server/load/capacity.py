@@ -508,10 +508,10 @@ def render(
         "  gateways pays the same per command, but more connections each.",
         "* The worker count is tokens/s over one worker's rate: a GPU worker's rate is a parameter.",
         "* The herd after a gateway loss scales the measured re-attach rate by the surviving gateways.",
-        "* A gateway's log reader names every log it follows in each XREAD, and reads again after each",
-        "  write: the store-cost run follows 32. Redis's cost per read grows with the logs a reader",
-        "  follows, and the reads with the workers writing; this model counts neither (not measured at",
-        "  scale: watch `XREAD` in `INFO commandstats` as gateways fill).",
+        "* A gateway's log reader names every log it follows in each XREAD (the store-cost run follows",
+        "  32), so a read costs in proportion to them; the reader pauses in proportion too, which bounds",
+        "  its reads (`python -m server.bench.fanin`). This model counts the per-token figure of 32 logs",
+        "  only: watch `XREAD` in `INFO commandstats` as gateways fill.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -318,3 +318,45 @@ async def test_one_step_spans_partitions_and_a_shared_cache_entry_crosses_slots(
     )
     assert (hit.outcome, hit.state) == ("cached", "done")
     assert [e[1][b"t"] for e in await redis.xrange(keys.log("v", "r")) if b"t" in e[1]] == [b"ok"]
+
+
+async def test_a_reader_following_many_logs_pauses_so_that_writes_gather(
+    redis: aioredis.Redis, keys: Keys, new_client: Callable[[], Any]
+) -> None:
+    """A read names every followed log, so a reader following many pauses after a read that brought
+    entries (logs.READ_PAUSE_S_PER_LOG) and the next read gathers what was written meanwhile: fewer reads
+    than writes, and every entry still delivered in order. A small reader does not pause."""
+    from server.store import logs
+
+    assert logs.read_pause_s(32) == 0.0  # under a millisecond: skipped
+    assert logs.read_pause_s(600) == 600 * logs.READ_PAUSE_S_PER_LOG
+    assert logs.read_pause_s(10**6) == logs.MAX_READ_PAUSE_S
+    reader_r = new_client()
+    reads = 0
+    xread = reader_r.xread
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return await xread(*args, **kwargs)
+
+    reader_r.xread = counted
+    reader = logs.LogReader(reader_r, keys, "fanin", block_ms=1000)
+    names = [keys.log("u1", f"r{i}") for i in range(600)]  # 12 ms after a read that brought entries
+    reader.start()
+    try:
+        subs = [reader.subscribe(k, 0) for k in names]
+        await _soon(lambda: asyncio.sleep(0, reads > 0))
+        before = reads
+        writes = 120
+        for i in range(writes):  # one entry to each of 60 logs, twice: each write would wake a read
+            await redis.xadd(names[i % 60], {"o": i // 60, "n": 1, "t": str(i)}, id=f"{i // 60 + 1}-1")
+            await asyncio.sleep(0.002)
+        got = [[(await asyncio.wait_for(s.queue.get(), 5)).text for _ in range(2)] for s in subs[:60]]
+        assert got == [[str(i), str(i + 60)] for i in range(60)]
+        assert all(s.queue.empty() for s in subs)
+        # At least 120 x 2 ms of writes against a 12 ms pause: some 20 reads; without it, about 120.
+        assert reads - before <= writes // 2, f"{reads - before} reads for {writes} writes"
+    finally:
+        await reader.stop()
+        await reader_r.aclose()

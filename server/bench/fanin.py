@@ -19,13 +19,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from server.load.store_cost import redis_cpu_s
 from server.store import logs
 from server.store.keys import Keys
 
 
 async def _cpu(r: aioredis.Redis) -> float:
-    info = await r.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return redis_cpu_s(await r.info("cpu"))
 
 
 async def one_run(url: str, n: int, writes_per_s: float, seconds: float, pause: bool) -> dict[str, Any]:

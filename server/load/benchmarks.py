@@ -264,16 +264,13 @@ def _valkey_alone_us_per_s(url: str, seconds: float = 3.0) -> float:
     each Redis shard pays and what each process adds (the capacity model counts them apart)."""
     import redis
 
+    from server.load.store_cost import redis_cpu_s
+
     r = redis.from_url(url)
     try:
-
-        def cpu() -> float:
-            info = r.info("cpu")
-            return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-        c0, t0 = cpu(), time.monotonic()
+        c0, t0 = redis_cpu_s(r.info("cpu")), time.monotonic()
         time.sleep(seconds)
-        return round((cpu() - c0) * 1e6 / (time.monotonic() - t0), 1)
+        return round((redis_cpu_s(r.info("cpu")) - c0) * 1e6 / (time.monotonic() - t0), 1)
     finally:
         r.close()
 

@@ -31,6 +31,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from server.load.benchmarks import STORE_FLUSH_MS
+
 KIB, GIB = 1024, 1 << 30
 
 
@@ -110,9 +112,13 @@ def _get(d: Any, *path: str) -> Any:
 _GPU_RATE = " at a GPU worker's rate (TINY: server/bench/tiny_model.py, streamed as fast as a GPU streams)"
 STORE_RUNS = {
     ("cpu", 0): ("store_cost", "", ""),
-    ("cpu", 250): ("store_cost_flush", " --log-flush-ms 250", ""),
+    ("cpu", STORE_FLUSH_MS): ("store_cost_flush", f" --log-flush-ms {STORE_FLUSH_MS}", ""),
     ("gpu", 0): ("store_cost_fast", " --model TINY", _GPU_RATE),
-    ("gpu", 250): ("store_cost_fast_flush", " --model TINY --log-flush-ms 250", _GPU_RATE),
+    ("gpu", STORE_FLUSH_MS): (
+        "store_cost_fast_flush",
+        f" --model TINY --log-flush-ms {STORE_FLUSH_MS}",
+        _GPU_RATE,
+    ),
 }
 
 
@@ -537,9 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--log-flush-ms",
         type=int,
-        choices=(0, 250),
+        choices=(0, STORE_FLUSH_MS),
         default=0,
-        help="the workers' --log-flush-ms: the store's cost per token is measured at 0 and 250",
+        help=f"the workers' --log-flush-ms: the store's cost per token is measured at 0 and {STORE_FLUSH_MS}",
     )
     p.add_argument("--gateway-cores", type=float, default=db.gateway_cores)
     p.add_argument("--gateway-memory-gib", type=float, default=db.gateway_memory_gib)
@@ -557,9 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--compare-gpu-flush-ms",
         type=int,
-        choices=(0, 250),
-        default=250,
-        help="those GPU workers' --log-flush-ms (default 250)",
+        choices=(0, STORE_FLUSH_MS),
+        default=STORE_FLUSH_MS,
+        help=f"those GPU workers' --log-flush-ms (default {STORE_FLUSH_MS})",
     )
     p.add_argument("--json", type=Path, help="write the plan and unit costs as JSON")
     p.add_argument("--markdown", type=Path, help="write the report as Markdown (CAPACITY.md)")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -87,14 +87,57 @@ def matmul_floor(weights: llama.Weights, rows: int, *, reps: int = 5) -> float:
 FLOOR_ROW_COUNTS = 8  # row counts measured: the most frequent among the decode steps (and the largest)
 
 
-def floors(weights: llama.Weights, rows: Iterable[int], *, reps: int = 3) -> dict[int, float]:
+def floors(
+    weights: llama.Weights, rows: Iterable[int], *, reps: int = 3, also: Iterable[int] = ()
+) -> dict[int, float]:
     """The floor at the row counts most decode steps ran at (at most FLOOR_ROW_COUNTS of them, always
-    including the largest): measuring all of them takes minutes on a busy 2-core machine."""
+    including the largest), and at the row counts in ``also``: measuring all of them takes minutes on a
+    busy 2-core machine."""
     counts = Counter(rows)
     if not counts:
         return {}
-    chosen = {max(counts), *(r for r, _ in counts.most_common(FLOOR_ROW_COUNTS - 1))}
+    chosen = {max(counts), *(r for r, _ in counts.most_common(FLOOR_ROW_COUNTS - 1)), *also}
     return {r: matmul_floor(weights, r, reps=reps) for r in sorted(chosen)}
+
+
+def floor_at(floor: dict[int, float], rows: int) -> float:
+    """The floor at ``rows``, linearly interpolated between the two nearest row counts measured (a GEMM's
+    time grows with its rows; between two measured counts a line is the plain estimate), and clamped to
+    the nearest measured count outside their range."""
+    if rows in floor:
+        return floor[rows]
+    below = [r for r in floor if r < rows]
+    above = [r for r in floor if r > rows]
+    if not below or not above:
+        return floor[max(below)] if below else floor[min(above)]
+    lo, hi = max(below), min(above)
+    return floor[lo] + (floor[hi] - floor[lo]) * (rows - lo) / (hi - lo)
+
+
+def padded_bound(out_lens: Sequence[int], floor: dict[int, float]) -> dict[str, Any] | None:
+    """engine / padded_loop if both ran every decode step at its matmul floor: what not computing
+    finished rows can win on this workload with this machine's GEMMs, before either path's overhead.
+
+    Both sample each request's first token in prefill, which they share, so only decode steps count:
+    request i needs ``out_lens[i] - 1`` of them. The padded loop runs max(those) steps at all N rows; a
+    continuous batcher at best runs step t with only the requests still decoding. A step's floor is
+    far from proportional to its rows (the weights are read once per step whatever the rows), which is
+    what bounds the ratio. The measured ratio is this bound times how much closer the engine's steps come
+    to their floor than the padded loop's do."""
+    need = [n - 1 for n in out_lens if n > 1]
+    if not need or not floor:
+        return None
+    n, steps = len(out_lens), max(need)
+    padded = steps * floor_at(floor, n)
+    engine = sum(floor_at(floor, sum(1 for k in need if k > t)) for t in range(steps))
+    return {
+        "bound": round(padded / engine, 2),
+        "requests": n,
+        "decode_steps": steps,
+        "decode_rows": sum(need),  # the rows the engine must compute, against steps * n padded
+        "padded_ms": round(padded * 1000, 1),
+        "engine_ms": round(engine * 1000, 1),
+    }
 
 
 def decode_steps(steps: Iterable[StepRecord]) -> list[StepRecord]:

@@ -105,7 +105,8 @@ def main(
         results[name] = asdict(res)
         echo(_row(name, res))
     if step_log:
-        _own(lambda: _floor(loaded, step_log, results, echo, profile=profile))
+        out_lens = [r.out_len for r in reqs]
+        _own(lambda: _floor(loaded, step_log, results, echo, profile=profile, out_lens=out_lens))
     if "engine" in paths and len(reqs) > 1 and "engine" not in results["failed"]:
         lj = _own(lambda: run_late_join(loaded, reqs))
         results["late_join"] = lj
@@ -155,14 +156,18 @@ def _floor(
     echo: Callable[[str], None],
     *,
     profile: bool,
+    out_lens: list[int],
 ) -> None:
-    """The matmul-only floor at every decode row count the engine ran, and the engine's step over it."""
+    """The matmul-only floor at every decode row count the engine ran, the engine's step over it, and
+    what the engine could win over the padded loop if both ran at that floor."""
     decode = fl.decode_steps(steps)
     if not decode:
         return
     weights = llama.weights_of(loaded.model, 8)
-    floor = fl.floors(weights, (s.rows for s in decode))
-    top = max(floor)
+    # 1 row and every request's row too: the padded loop runs at len(out_lens) rows, the engine's last
+    # steps at a few, and the bound below interpolates between measured counts.
+    floor = fl.floors(weights, (s.rows for s in decode), also=(1, len(out_lens)))
+    top = max(s.rows for s in decode)  # the largest decode step the engine ran (its floor is measured)
     summary = fl.step_over_floor(decode, floor)
     results["engine"].update(summary)
     results["floor"] = {
@@ -180,6 +185,14 @@ def _floor(
         f"{summary['steps_compared']} of {summary['decode_steps']} decode steps (at {top} rows: median step "
         f"{statistics.median(at_top) * 1000:.1f} ms, floor {floor[top] * 1000:.1f} ms)"
     )
+    bound = fl.padded_bound(out_lens, floor)
+    if bound:
+        results["engine"]["padded_bound"] = bound
+        echo(
+            f"at the floor, engine / padded_loop would be {bound['bound']}x: {bound['decode_rows']} "
+            f"decode rows ({bound['engine_ms']} ms of GEMMs) against {bound['decode_steps']} steps x "
+            f"{bound['requests']} rows ({bound['padded_ms']} ms)"
+        )
     kv_per_token = kv_bytes_per_token(loaded.model, loaded.dtype)
     line = fl.roofline(
         decode,

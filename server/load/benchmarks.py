@@ -710,7 +710,22 @@ def _why_missed(runs: dict[str, Any]) -> list[str]:
             )
         pl, en = (x.get("padded_loop") or {}).get("tok_s"), (x.get("engine") or {}).get("tok_s")
         by_rows = {int(k): v for k, v in (floor.get("by_rows_ms") or {}).items()}
-        if pl and en and en / pl < ENGINE_OVER_PADDED and len(by_rows) > 1:
+        bound = (x.get("engine") or {}).get("padded_bound")
+        if pl and en and en / pl < ENGINE_OVER_PADDED and bound and len(by_rows) > 1:
+            small, top = min(by_rows), max(by_rows)
+            b = bound["bound"]
+            out.append(
+                f"- {dt}, engine / padded_loop {en / pl:.2f}x (missed): if both ran every decode step at its "
+                f"matmul floor, the engine would be {b:.2f}x padded_loop on this workload. It computes "
+                f"{bound['decode_rows']} decode rows where padded_loop computes {bound['decode_steps']} "
+                f"steps x {bound['requests']}, but a step's floor is far from its share of rows: "
+                f"{by_rows[small]:.1f} ms at {small} row{'s' if small > 1 else ''}, "
+                f"{100 * by_rows[small] / by_rows[top]:.0f}% of the {by_rows[top]:.1f} ms at {top} (the "
+                f"weights are read once per step whatever the rows). So {ENGINE_OVER_PADDED:g}x needs the "
+                f"engine's steps {ENGINE_OVER_PADDED / b:.2f}x nearer their floor than padded_loop's; they "
+                f"are {en / pl / b:.2f}x nearer now."
+            )
+        elif pl and en and en / pl < ENGINE_OVER_PADDED and len(by_rows) > 1:
             small, top = min(by_rows), max(by_rows)
             out.append(
                 f"- {dt}, engine / padded_loop {en / pl:.2f}x (missed): the engine wins by not computing "

@@ -57,6 +57,8 @@ def test_bench_json_has_the_headline_fields(tiny_config: str, tmp_path: Path) ->
     assert res["dtype"] == "float32"
     assert res["cpu"]["model"] and isinstance(res["cpu"]["flags"], list)
     assert res["ratios"]["padded_loop"] > 0
+    bound = res["engine"]["padded_bound"]  # the floor was measured at every request's row too
+    assert bound["requests"] == 4 and bound["bound"] > 0 and str(4) in map(str, res["floor"]["by_rows_ms"])
     parts = res["profile"]["ms"]
     assert set(parts) >= {"linear", "attention", "sampling", "schedule", "hand-off", "total"}
     assert sum(v for k, v in parts.items() if k != "total") > 0
@@ -84,6 +86,23 @@ def test_the_roofline_is_the_larger_of_the_floor_and_the_reads() -> None:
     assert out["median_step"]["rows"] == 4 and out["median_step"]["memory_ms"] == 15.0
     none = fl.roofline(steps[3:], floor, bandwidth=1e9, weights=1, kv_per_token=1)
     assert none == {"step_over_roofline": None}
+
+
+def test_the_padded_bound_counts_each_step_at_the_floor_of_its_live_rows() -> None:
+    from server.bench import floor as fl
+
+    floor = {1: 0.010, 4: 0.016}  # 10 ms + 2 ms a row: the weights' read dominates a small step
+    assert fl.floor_at(floor, 2) == pytest.approx(0.012) and fl.floor_at(floor, 3) == pytest.approx(0.014)
+    assert fl.floor_at(floor, 8) == 0.016 and fl.floor_at({2: 0.5}, 1) == 0.5  # clamped outside
+    # 4 requests of 2, 3, 4 and 5 tokens: 1, 2, 3, 4 decode steps (prefill samples the first token).
+    out = fl.padded_bound([2, 3, 4, 5], floor)
+    assert out is not None
+    # Padded: 4 steps at 4 rows = 64 ms. The engine: steps at 4, 3, 2, 1 rows = 16 + 14 + 12 + 10 ms.
+    assert (out["padded_ms"], out["engine_ms"], out["decode_rows"]) == (64.0, 52.0, 10)
+    assert out["bound"] == round(64 / 52, 2)
+    # Proportional to rows (no fixed cost), the bound is the padded rows over the useful ones: 16 / 10.
+    assert fl.padded_bound([2, 3, 4, 5], {1: 0.001, 4: 0.004})["bound"] == 1.6  # type: ignore[index]
+    assert fl.padded_bound([1, 1], floor) is None and fl.padded_bound([3], {}) is None
 
 
 def test_weight_bytes_count_every_linear_layer_once(tiny_config: str) -> None:
@@ -157,6 +176,18 @@ def test_benchmarks_md_says_which_dtype_target_missed_and_why() -> None:
     assert "bfloat16, step / roofline 2.30x (missed)" in why and "1.83x the floor" in why  # (35 + 20) / 30
     assert "everything else (norms, rotary, KV writes, sampling, bookkeeping) 15.0 ms" in why  # 70 - 35 - 20
     assert "bfloat16, engine / padded_loop 1.50x (missed)" in why and "40% of the 30.0 ms" in why
+
+
+def test_benchmarks_md_splits_the_padded_ratio_into_the_floors_bound_and_the_rest() -> None:
+    run = _dtype_run(150.0, 1.4)
+    run["engine"]["padded_bound"] = {"bound": 1.25, "requests": 32, "decode_steps": 127, "decode_rows": 2300}
+    run["floor"]["by_rows_ms"] = {"1": 12.0, "32": 30.0}
+    why = "\n".join(_dtype_rows({"dtypes": {"float32": run}})).split("missed, and why")[1]
+    assert "float32, engine / padded_loop 1.50x (missed)" in why
+    assert "the engine would be 1.25x padded_loop" in why and "2300 decode rows" in why
+    assert "127 steps x 32" in why and "12.0 ms at 1 row, 40% of the 30.0 ms at 32" in why
+    # 2 / 1.25 and 1.5 / 1.25:
+    assert "1.60x nearer their floor than padded_loop's; they are 1.20x nearer now" in why
 
 
 def _load_report(per_s: float, measured: dict[str, float]) -> dict[str, Any]:

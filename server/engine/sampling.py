@@ -59,7 +59,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
     out = [0] * logits.shape[0]
     greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
     if greedy_rows:
-        picks = logits[greedy_rows].argmax(dim=-1).tolist()
+        # Every row greedy (the common case of a greedy batch): no copy of the [B, V] logits first,
+        # which took as long as the argmax itself (~0.6 ms at 32 rows of SmolLM2's vocabulary).
+        all_greedy = len(greedy_rows) == logits.shape[0]
+        picks = (logits if all_greedy else logits[greedy_rows]).argmax(dim=-1).tolist()
         for i, t in zip(greedy_rows, picks, strict=True):
             out[i] = int(t)
     rows = [i for i, p in enumerate(params) if p.temperature > 0.0]

@@ -149,6 +149,8 @@ def test_greedy_rows_take_the_argmax_among_sampled_ones() -> None:
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams()]
     out = sample(logits, params, [0, 0, 0])
     assert out[0] == 1 and out[2] == 2
+    # A batch of greedy rows only (the argmax runs on the logits as they are, no copy of the rows).
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 3, [0, 0, 0]) == [1, 0, 2]
 
 
 def test_uniforms_are_in_range_and_spread() -> None:

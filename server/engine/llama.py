@@ -303,7 +303,7 @@ class DecodeGroup:
     tok_hi: int
     n_slots: int
     length: int  # keys [0, length): the longest live length among the rows
-    mask: Tensor  # [n_slots, 1, 1, length] bool, True where a key is visible
+    mask: Tensor  # [n_slots, 1, 1, length] additive, in the cache's dtype: 0 where a key is visible, -inf not
     rows: Tensor | None  # [tok_hi - tok_lo] slot index of each row, or None when rows == arange
 
 

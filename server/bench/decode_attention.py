@@ -1,6 +1,6 @@
 """Decode attention and the KV writes alone, in the variants issue 26 weighed, alternated in one process.
 
-``python -m server.bench.decode_attention [--rows 32] [--layers 30] [--reps 10] [--flex]``
+``python -m server.bench.decode_attention [--rows 32] [--layers 30] [--reps 10] [--dtype float32] [--flex]``
 
 A decode step's attention reads each running row's keys and values at its live length; the engine does it
 with one SDPA per layer and pool over the pool's slot views (``llama.attention``), after writing the step's
@@ -8,7 +8,8 @@ new keys and values into their slots (``index_copy_``). This times, per step of 
 SmolLM2-135M's shape (3 KV heads of 64, 3 query heads per KV head), with a GEMM of the MLP's size between
 calls as in a real step (so the cache is cold, as it is there):
 
-* SDPA with the engine's bool mask, with a float mask, and matmul-softmax-matmul by hand;
+* SDPA with the engine's bool mask, with a float mask, and matmul-softmax-matmul by hand (the scores
+  as q @ K^T, or as K @ q^T with the softmax in float32);
 * the KV cache head-major (the engine's ``[slot, head, position, Hd]``) against token-major
   (``[slot, position, head, Hd]``, so a token's heads are one write): both the writes and SDPA on its
   strided views;
@@ -40,22 +41,29 @@ MLP = (1536 * 2, 576)  # the gate/up GEMM run between calls
 
 
 def run(
-    rows: int = 32, layers: int = 30, reps: int = 10, *, flex: bool = False, seed: int = 0
+    rows: int = 32,
+    layers: int = 30,
+    reps: int = 10,
+    *,
+    dtype: torch.dtype = torch.float32,
+    flex: bool = False,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Median ms per step of each variant; also the largest difference of each from the engine's SDPA."""
+    """Median ms per step of each variant; also the largest difference of each from the engine's SDPA.
+    ``dtype`` is the cache's, the queries' and the GEMM's, as when the engine serves in it."""
     torch.manual_seed(seed)
     if rows > SLOTS:
         raise ValueError(f"--rows at most {SLOTS}")
-    head = llama.zeroed((layers, 2, SLOTS, KV, SLOT_LEN, HD), torch.float32, "cpu").normal_()
-    token = llama.zeroed((layers, 2, SLOTS, SLOT_LEN, KV, HD), torch.float32, "cpu")
+    head = llama.zeroed((layers, 2, SLOTS, KV, SLOT_LEN, HD), dtype, "cpu").normal_()
+    token = llama.zeroed((layers, 2, SLOTS, SLOT_LEN, KV, HD), dtype, "cpu")
     token.copy_(head.transpose(3, 4))  # the same numbers, token-major: the outputs must match
-    w, x = torch.randn(*MLP), torch.randn(rows, MLP[1])
+    w, x = torch.randn(*MLP, dtype=dtype), torch.randn(rows, MLP[1], dtype=dtype)
     lens = torch.randint(60, 176, (rows,))  # prompts plus what they generated so far
     length = int(lens.max())
     mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]  # [rows, 1, 1, length]
-    fmask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-    q = torch.randn(rows, KV, REP, HD)  # a KV head's queries folded together, as the engine does
-    k_new, v_new = torch.randn(rows, KV, HD), torch.randn(rows, KV, HD)
+    fmask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    q = torch.randn(rows, KV, REP, HD, dtype=dtype)  # a KV head's queries folded together, as the engine does
+    k_new, v_new = torch.randn(rows, KV, HD, dtype=dtype), torch.randn(rows, KV, HD, dtype=dtype)
     scale = 1 / math.sqrt(HD)
     pos = 150  # the position this step writes
 
@@ -69,6 +77,13 @@ def run(
         k, v = head_kv(i)
         s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(fmask)
         return torch.matmul(torch.softmax(s, -1), v)
+
+    def by_hand_kq(i: int) -> torch.Tensor:
+        # Scores as K @ q^T: the keys are the GEMM's A, read in place; q^T [Hd, rep] is tiny. The softmax
+        # in float32, as SDPA's kernels do.
+        k, v = head_kv(i)
+        s = torch.matmul(k, q.transpose(-1, -2)).transpose(-1, -2).float().mul_(scale).add_(fmask)
+        return torch.matmul(torch.softmax(s, -1).to(dtype), v)
 
     def write_head(i: int) -> None:
         head[i, 0, :rows, :, pos] = k_new
@@ -84,6 +99,7 @@ def run(
         ),
         "sdpa, float mask": lambda i: F.scaled_dot_product_attention(q, *head_kv(i), attn_mask=fmask),
         "matmul-softmax-matmul": by_hand,
+        "by hand, scores as K @ q^T": by_hand_kq,
         "sdpa, token-major KV": lambda i: F.scaled_dot_product_attention(q, *token_kv(i), attn_mask=mask),
         "KV writes, head-major (the engine)": write_head,
         "KV writes, token-major": write_token,
@@ -110,6 +126,7 @@ def run(
     return {
         "rows": rows,
         "layers": layers,
+        "dtype": str(dtype).removeprefix("torch."),
         "length": length,
         "ms_per_step": {name: round(statistics.median(t), 2) for name, t in times.items()},
         "max_diff": diff,
@@ -153,15 +170,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=30, help="layers per step (SmolLM2-135M: 30)")
     p.add_argument("--reps", type=int, default=10, help="steps per variant, alternated")
     p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="the cache's and the queries' dtype (the engine serves bf16 where --dtype auto picks it)",
+    )
+    p.add_argument(
         "--flex", action="store_true", help="also flex_attention compiled by Inductor (slow start)"
     )
     a = p.parse_args(argv)
     print(cpu_line(cpu_info()), flush=True)
     torch.set_grad_enabled(False)
     # In a thread that ends, as the engine's forward runs (server/engine/threads.py).
-    res = in_own_thread(lambda: run(a.rows, a.layers, a.reps, flex=a.flex))
+    res = in_own_thread(lambda: run(a.rows, a.layers, a.reps, dtype=getattr(torch, a.dtype), flex=a.flex))
     print(
-        f"{res['rows']} rows, {res['layers']} layers, longest live length {res['length']}: median ms a step"
+        f"{res['rows']} rows, {res['layers']} layers, {res['dtype']}, longest live length {res['length']}:"
+        " median ms a step"
     )
     for name, ms in res["ms_per_step"].items():
         d = res["max_diff"].get(name)

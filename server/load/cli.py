@@ -12,10 +12,13 @@ from server.gctune import tune_for_long_lived_objects
 from server.load.options import LoadConfig, add_arguments, config_from_args
 
 
-async def run(cfg: LoadConfig, *, progress: bool, engine: Any = None) -> dict[str, Any]:
+async def run(
+    cfg: LoadConfig, *, progress: bool, engine: Any = None, profile: bool = False
+) -> dict[str, Any]:
     """Run ``cfg``, print the table, write ``--json``/``--plot``; returns the report.
 
-    With ``engine`` (an engine not yet started) the workload goes straight into it (``--engine-only``).
+    With ``engine`` (an engine not yet started) the workload goes straight into it (``--engine-only``);
+    ``profile`` times its steps by phase (``--profile``).
     """
     from server.load.report import build_report, print_table, write_json, write_plot
     from server.load.runner import RunState, run_load
@@ -30,6 +33,10 @@ async def run(cfg: LoadConfig, *, progress: bool, engine: Any = None) -> dict[st
             from server.load.engine_only import run_engine_only
 
             state = RunState(cfg)
+            if profile:
+                from server.engine.profile import StepProfile
+
+                engine.profile = StepProfile()  # laps at phase boundaries: a few µs a step
             if live is not None:
                 live.attach(state, None)
             result = await run_engine_only(state, engine)
@@ -40,11 +47,38 @@ async def run(cfg: LoadConfig, *, progress: bool, engine: Any = None) -> dict[st
             await live.close()
     report = build_report(result)
     print_table(report)
+    if profile and engine is not None and engine.profile is not None:
+        report["engine_profile"] = step_breakdown(engine.profile.steps)
+        print(profile_line(report["engine_profile"]))
     if cfg.json_path is not None:
         write_json(report, cfg.json_path)
     if cfg.plot_path is not None:
         write_plot(result, report, cfg.plot_path)
     return report
+
+
+def step_breakdown(steps: list[Any]) -> dict[str, Any]:
+    """The median decode step (no prefill chunk) at the most rows that at least 5 such steps had, phase
+    by phase in ms, as ``tokenwire bench --profile`` breaks it down; {} when no step decoded."""
+    from collections import Counter
+
+    from server.bench.floor import breakdown
+
+    decode = [s for s in steps if s.prefill == 0 and s.rows > 0]
+    if not decode:
+        return {}
+    counts = Counter(s.rows for s in decode)
+    rows = max((r for r, n in counts.items() if n >= 5), default=max(counts))
+    return {"rows": rows, "steps": counts[rows], "ms": breakdown(decode, rows)}
+
+
+def profile_line(p: dict[str, Any]) -> str:
+    if not p:
+        return "engine profile: no decode step"
+    ms = p["ms"]
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in ms.items() if k != "total" and v >= 0.05)
+    at = f"at {p['rows']} rows ({p['steps']} steps)"
+    return f"engine profile: the median decode step {at} took {ms['total']:.1f} ms: {phases}"
 
 
 def _load_engine(model: str | None, threads: int | None) -> Any:
@@ -114,7 +148,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         return _store_cost(cfg, args.redis_url, args.key_prefix)
     engine = _load_engine(args.model, args.threads) if args.engine_only else None
     tune_for_long_lived_objects()  # thousands of idle connections: GC pauses would show up as RTT
-    report = asyncio.run(run(cfg, progress=progress, engine=engine))
+    report = asyncio.run(run(cfg, progress=progress, engine=engine, profile=args.profile))
     return exit_status(report)
 
 

@@ -180,6 +180,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--model", help="with --engine-only: a model folder (default: the packaged SmolLM2)")
     e.add_argument("--threads", type=int, help="with --engine-only: torch CPU threads (default: torch's)")
+    e.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --engine-only: time every engine step by phase (as tokenwire bench --profile does) and "
+        "report the median decode step at the most rows, phase by phase (engine_profile in --json)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument(
         "--users",
@@ -320,8 +326,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         raise ValueError("give the server's URL, or --engine-only (not both)")
     if args.engine_only and (args.idle or args.drop_rate):
         raise ValueError("--engine-only has no connections: no --idle, no --drop-rate")
-    if not args.engine_only and (args.model or args.threads):
-        raise ValueError("--model and --threads go with --engine-only")
+    if not args.engine_only and (args.model or args.threads or args.profile):
+        raise ValueError("--model, --threads and --profile go with --engine-only")
     return LoadConfig(
         url=args.url or "engine-only",
         users=args.users,

@@ -115,7 +115,7 @@ def test_the_nucleus_bound_covers_the_nucleus() -> None:
     g = torch.Generator().manual_seed(5)
     scaled = torch.randn(8, 20_000, generator=g) * torch.linspace(0.5, 4, 8)[:, None]
     top_p = torch.tensor([0.5, 0.8, 0.9, 0.95, 0.99, 0.9, 0.7, 0.3])
-    bound = sampling._nucleus_bound(scaled, torch.logsumexp(scaled, dim=-1), top_p)
+    bound = sampling._nucleus_bound(torch.softmax(scaled, dim=-1), top_p)
     probs = torch.softmax(scaled.double(), dim=-1).sort(dim=-1, descending=True).values
     nucleus = ((probs.cumsum(dim=-1) - probs) < top_p.double()[:, None]).sum(dim=-1)
     assert bool((bound >= nucleus).all()), (bound, nucleus)
@@ -158,3 +158,14 @@ def test_uniforms_are_in_range_and_spread() -> None:
     assert all(0.0 <= u < 1.0 for u in us)
     assert abs(sum(us) / len(us) - 0.5) < 0.01
     assert len(set(us)) == len(us)
+
+
+def test_a_draw_that_rounds_up_to_the_mass_takes_the_last_column_with_weight() -> None:
+    """u * mass can round up to the mass itself (u < 1, float32): no cumulative weight passes it, and the
+    draw is the last column with any weight, never one past the row or a column of weight 0."""
+    weights = torch.tensor(
+        [[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0], [1.0, 1.0, 1.0, 1.0]]
+    )
+    assert sampling._inverse_cdf(weights, torch.ones(4)).tolist() == [1, 0, 3, 3]
+    assert sampling._inverse_cdf(weights, torch.zeros(4)).tolist() == [0, 0, 3, 0]
+    assert sampling._inverse_cdf(weights, torch.tensor([0.6, 0.5, 0.5, 0.3])).tolist() == [1, 0, 3, 1]

@@ -185,7 +185,7 @@ async def test_engine_only_runs_the_same_workload_as_the_server(
 
     over_ws = await run(cfg(served.url), progress=False)
     engine_only = await run(
-        cfg("engine-only"), progress=False, engine=_load_engine(str(tiny_model_dir), None)
+        cfg("engine-only"), progress=False, engine=_load_engine(str(tiny_model_dir), None), profile=True
     )
     _check_counts(engine_only)
     assert engine_only["servers"] == ["engine-only"]
@@ -194,6 +194,12 @@ async def test_engine_only_runs_the_same_workload_as_the_server(
         assert engine_only["tokens"][key] == over_ws["tokens"][key], key
     assert engine_only["tokens"]["per_s"] > 0 and engine_only["ttft_ms"]["n"] == 5
     assert not engine_only["wire"]["measured"]  # no wire: nothing to count
+    # --profile: the median decode step at the one row a single user makes, phase by phase.
+    prof = engine_only["engine_profile"]
+    assert prof["rows"] == 1 and prof["steps"] >= 5
+    ms = prof["ms"]
+    assert ms["linear"] > 0 and ms["sampling"] > 0
+    assert all(v <= ms["total"] for v in ms.values())  # each phase is part of its step
 
 
 @pytest.mark.parametrize(

@@ -62,9 +62,9 @@ def step_breakdown(steps: list[Any]) -> dict[str, Any]:
     by phase in ms, as ``tokenwire bench --profile`` breaks it down; {} when no step decoded."""
     from collections import Counter
 
-    from server.bench.floor import breakdown
+    from server.bench.floor import breakdown, decode_steps
 
-    decode = [s for s in steps if s.prefill == 0 and s.rows > 0]
+    decode = decode_steps(steps)
     if not decode:
         return {}
     counts = Counter(s.rows for s in decode)

@@ -251,6 +251,15 @@ def test_benchmarks_md_judges_tokenwire_against_llama_server_on_cold_prompts() -
     assert "| TTFT p50 ms | 600 | 590 | 1000 | 100 |" in text
     assert "tokens/s 3.00x llama-server's (target ≥ 3x: met)" in text
     assert "TTFT p50 0.60x theirs (target ≤ 0.5x: missed)" in text
+    assert "1 + 1 cluster" not in text  # a run from before the split server was measured
+    # The same tokenwire as a one-gateway, one-worker cluster: its own columns and its own verdict.
+    peers["tokenwire_split"] = {"cold": run(350.0, 450.0), "repeated": run(360.0, 440.0)}
+    text = "\n".join(_render_peers(peers))
+    assert "| | tokenwire cold | tokenwire repeated | 1 + 1 cluster cold | 1 + 1 cluster repeated |" in text
+    assert "| tokens/s | 300.0 | 310.0 | 350.0 | 360.0 | 100.0 | 200.0 |" in text
+    assert "| --- | ---: | ---: | ---: | ---: | ---: | ---: |" in text
+    assert "With cold prompts, tokenwire's tokens/s 3.00x llama-server's (target ≥ 3x: met)" in text
+    assert "As a 1 + 1 cluster, its tokens/s 3.50x llama-server's (target ≥ 3x: met); TTFT p50 0.45x" in text
     assert _render_peers(None) == []  # never measured: no section
 
 

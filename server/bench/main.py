@@ -83,7 +83,15 @@ def main(
         f"prompts {min(len(r.prompt_ids) for r in reqs)}-{max(len(r.prompt_ids) for r in reqs)} tokens, "
         f"outputs {OUT_MIN}-{OUT_MAX} ({sum(r.out_len for r in reqs)} useful tokens), greedy, EOS ignored"
     )
-    results: dict[str, Any] = {"cpu": cpu, "dtype": dtype_name, "dtype_note": loaded.dtype_note, "failed": []}
+    echo(f"decode attention: {loaded.kernel_note or loaded.decode_kernel}")
+    results: dict[str, Any] = {
+        "cpu": cpu,
+        "dtype": dtype_name,
+        "dtype_note": loaded.dtype_note,
+        "decode_kernel": loaded.decode_kernel,
+        "kernel_note": loaded.kernel_note,
+        "failed": [],
+    }
     step_log: list[StepRecord] = []
     runners: dict[str, Callable[[], PathResult]] = {
         "padded_loop": lambda: run_padded_loop(loaded, reqs),

@@ -10,11 +10,16 @@ the float default, which is exact. The choice and both figures are logged.
 The choice is then remembered (``dtype-choices.json`` in the model cache folder) per CPU model and flags,
 core and thread count, torch version and model, so later starts on the same machine skip the measurement
 (a few seconds); a new machine, torch or model measures again. ``TOKENWIRE_DTYPE_REMEASURE=1`` forces it.
+
+The same measurement, in the dtype that serves, picks how decode rows attend on CPU
+(``pick_decode_kernel``): SDPA, or by hand with the scores as K @ q^T (``llama.DECODE_KERNELS``). Which is
+faster depends on the CPU and the dtype, so it is timed, not assumed, and remembered the same way.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -33,6 +38,7 @@ MEASURE_ROWS = 32
 MEASURE_CONTEXT = 128
 MEASURE_REPS = 5
 BF16_MARGIN = 0.9  # bf16 must take under 90% of fp32's step to be kept
+KQ_MARGIN = 0.95  # the by-hand decode kernel must take under 95% of SDPA's step to be kept
 SMALL_MODEL_PARAMS = 20_000_000  # below this a step is overhead, not matmuls: fp32, nothing to measure
 CHOICES_FILE = "dtype-choices.json"
 MAX_CHOICES = 64  # remembered (machine, torch, model) keys; the oldest go first
@@ -40,9 +46,10 @@ MAX_CHOICES = 64  # remembered (machine, torch, model) keys; the oldest go first
 
 def decode_stepper(
     model: Any, *, rows: int = MEASURE_ROWS, context: int = MEASURE_CONTEXT
-) -> Callable[[], float]:
+) -> Callable[..., float]:
     """A function that runs one decode step of ``rows`` sequences at position ``context`` - 1 and returns
-    its seconds (the first call includes oneDNN creating its primitives: a warm-up)."""
+    its seconds (the first call includes oneDNN creating its primitives: a warm-up). Its one optional
+    argument is the decode kernel to attend with (``llama.DECODE_KERNELS``; default SDPA)."""
     from server.engine import llama
 
     shape = llama.shape_of(model)
@@ -69,7 +76,8 @@ def decode_stepper(
         logits_at=torch.arange(rows),
     )
 
-    def step() -> float:
+    def step(kernel: str = "sdpa") -> float:
+        cache.decode_kernel = kernel
         with torch.inference_mode():
             t0 = time.perf_counter()
             llama.forward(weights, shape, cache, layout)
@@ -80,7 +88,10 @@ def decode_stepper(
 
 def interleaved_seconds(*models: Any) -> list[float]:
     """Median decode-step seconds of each model, their steps taken in turn (a warm-up each first)."""
-    steps = [decode_stepper(m) for m in models]
+    return _interleaved([decode_stepper(m) for m in models])
+
+
+def _interleaved(steps: list[Callable[[], float]]) -> list[float]:
     for step in steps:
         step()
     times: list[list[float]] = [[] for _ in steps]
@@ -123,6 +134,36 @@ def pick_cpu_dtype(model: Any, cache_dir: Path | None = None) -> DtypeChoice:
     return DtypeChoice(model, torch.float32, figures)
 
 
+class KernelChoice(NamedTuple):
+    kernel: str  # one of llama.DECODE_KERNELS
+    figures: dict[str, float]  # each kernel's step time in ms ("sdpa_ms", "kq_ms"); empty: nothing measured
+    remembered: bool = False
+
+
+def pick_decode_kernel(model: Any, cache_dir: Path | None = None) -> KernelChoice:
+    """How decode rows attend on this CPU, in the model's dtype: a decode step of the model itself with
+    each of ``llama.DECODE_KERNELS``, in turn, one set of weights; "kq" is kept only when its step is
+    clearly faster (under ``KQ_MARGIN`` of SDPA's), else SDPA, the library's kernel. Remembered like the
+    dtype (keyed by the dtype too); nothing is measured for a small or non-Llama model (SDPA)."""
+    from server.engine import llama
+
+    n_params = sum(p.numel() for p in model.parameters())
+    if n_params < SMALL_MODEL_PARAMS or llama.unsupported_reason(model) is not None:
+        return KernelChoice("sdpa", {})
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    key = f"{_choice_key(model, n_params)}:decode-kernel:{dtype}"
+    names = {f"{k}_ms": k for k in llama.DECODE_KERNELS}
+    known = _remembered(cache_dir, key, allowed=llama.DECODE_KERNELS)
+    if known is not None and all(k in known for k in names):
+        return KernelChoice(str(known["chosen"]), {k: float(known[k]) for k in names}, remembered=True)
+    step = decode_stepper(model)
+    seconds = _interleaved([functools.partial(step, kernel) for kernel in llama.DECODE_KERNELS])
+    figures = {f"{k}_ms": s * 1000 for k, s in zip(llama.DECODE_KERNELS, seconds, strict=True)}
+    chosen = "kq" if figures["kq_ms"] < KQ_MARGIN * figures["sdpa_ms"] else "sdpa"
+    _remember(cache_dir, key, chosen, figures)
+    return KernelChoice(chosen, figures)
+
+
 def _choice_key(model: Any, n_params: int) -> str:
     """What the choice depends on: the CPU (model, flags, cores, threads), torch and the model."""
     from server.engine.machine import cpu_info
@@ -134,11 +175,13 @@ def _choice_key(model: Any, n_params: int) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
 
 
-def _remembered(cache_dir: Path | None, key: str) -> dict[str, Any] | None:
+def _remembered(
+    cache_dir: Path | None, key: str, allowed: tuple[str, ...] = ("float32", "bfloat16")
+) -> dict[str, Any] | None:
     if cache_dir is None or os.environ.get("TOKENWIRE_DTYPE_REMEASURE") == "1":
         return None
     entry = _read(cache_dir).get(key)
-    if isinstance(entry, dict) and entry.get("chosen") in ("float32", "bfloat16"):
+    if isinstance(entry, dict) and entry.get("chosen") in allowed:
         return entry
     return None
 

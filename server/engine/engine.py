@@ -140,7 +140,12 @@ class BatchingEngine(ThreadedEngine):
         self.max_prompt_tokens = self.config.max_context - 1
         self.prompter = loaded.prompter  # built here, once, not lazily on a pool thread
         self.runner = Runner(
-            loaded.model, self.config.pools, device=loaded.device, dtype=loaded.dtype, keep_plain=not one_copy
+            loaded.model,
+            self.config.pools,
+            device=loaded.device,
+            dtype=loaded.dtype,
+            keep_plain=not one_copy,
+            decode_kernel=loaded.decode_kernel,
         )
         if one_copy:
             self.runner.weights, freed = llama.release_model_linears(loaded.model, self.runner.weights)

@@ -51,6 +51,8 @@ class LoadedModel:
     load_seconds: float
     dtype_note: str = ""  # how the dtype was chosen (``--dtype auto`` on CPU: both measured step times)
     dtype_figures: dict[str, float] = field(default_factory=dict)  # those step times, ms
+    decode_kernel: str = "sdpa"  # how decode rows attend (llama.DECODE_KERNELS; measured on CPU)
+    kernel_note: str = ""  # how it was chosen, with the measured step times
     _prompter: ChatPrompter | None = field(default=None, repr=False)
 
     @property
@@ -208,11 +210,43 @@ def load_model(
         load_seconds=0.0,
     )
     settle_dtype(loaded, dtype, cache_root())
+    settle_decode_kernel(loaded, cache_root())
     loaded.load_seconds = time.perf_counter() - t0
     log.info(
         "model.loaded", name=name, device=dev, dtype=str(loaded.dtype), seconds=round(loaded.load_seconds, 2)
     )
     return loaded
+
+
+def settle_decode_kernel(loaded: LoadedModel, cache_dir: Path | None = None) -> None:
+    """How decode rows attend, in the dtype that serves: SDPA on CUDA; on CPU, SDPA against the by-hand
+    K @ q^T kernel, measured (dtype.pick_decode_kernel), logged and remembered with both figures.
+    ``TOKENWIRE_DECODE_KERNEL=sdpa|kq`` names one and skips the measurement."""
+    from server.engine import llama
+
+    named = os.environ.get("TOKENWIRE_DECODE_KERNEL", "")
+    if named:
+        if named not in llama.DECODE_KERNELS:
+            raise SystemExit(f"TOKENWIRE_DECODE_KERNEL={named}: one of {', '.join(llama.DECODE_KERNELS)}")
+        loaded.decode_kernel, loaded.kernel_note = named, f"{named} (TOKENWIRE_DECODE_KERNEL)"
+        return
+    if loaded.device.startswith("cuda"):
+        loaded.decode_kernel, loaded.kernel_note = "sdpa", "sdpa (CUDA)"
+        return
+    from server.engine.dtype import pick_decode_kernel
+
+    choice = pick_decode_kernel(loaded.model, cache_dir)
+    loaded.decode_kernel = choice.kernel
+    if not choice.figures:
+        loaded.kernel_note = "sdpa (model too small or not on the Llama path to measure)"
+        return
+    how = "remembered for this CPU, torch, model and dtype" if choice.remembered else "measured now"
+    loaded.kernel_note = (
+        f"{choice.kernel} (a 32-row decode step took {choice.figures['sdpa_ms']:.1f} ms with SDPA, "
+        f"{choice.figures['kq_ms']:.1f} ms by hand as K @ q^T; {how})"
+    )
+    event = "model.decode_kernel_remembered" if choice.remembered else "model.decode_kernel_measured"
+    log.info(event, chosen=choice.kernel, **{k: round(v, 1) for k, v in choice.figures.items()})
 
 
 def settle_dtype(loaded: LoadedModel, requested: str, cache_dir: Path | None = None) -> None:

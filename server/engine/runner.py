@@ -42,6 +42,7 @@ class Runner:
         device: str | torch.device,
         dtype: torch.dtype,
         keep_plain: bool = True,
+        decode_kernel: str = "sdpa",
     ) -> None:
         reason = llama.unsupported_reason(model)
         if reason is not None:
@@ -50,7 +51,9 @@ class Runner:
         self.shape = llama.shape_of(model)
         max_len = max(length for _, length in pools)
         self.weights = llama.weights_of(model, max(max_len, 1), keep_plain=keep_plain)
-        self.cache = llama.Cache(self.shape, list(pools), dtype=dtype, device=self.device)
+        self.cache = llama.Cache(
+            self.shape, list(pools), dtype=dtype, device=self.device, decode_kernel=decode_kernel
+        )
         self.stats = RunnerStats(
             kv_bytes=self.cache.data.numel() * self.cache.data.element_size(),
             bytes_per_token=kv_bytes_per_token(model, dtype),

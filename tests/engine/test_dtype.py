@@ -20,23 +20,27 @@ def test_auto_keeps_fp32_for_a_model_too_small_to_matter(tiny_model_dir: Path) -
     assert "too small" in m.dtype_note
 
 
+Step = tuple[torch.dtype, str]  # a timed decode step's dtype and decode kernel
+
+
 @pytest.fixture
-def measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
-    """The dtype of every decode step timed, in order; the tiny model counts as big enough to time, and
-    choices are remembered in a folder of this test's own."""
+def measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Step]:
+    """The dtype and decode kernel of every decode step timed, in order; the tiny model counts as big
+    enough to time, and choices are remembered in a folder of this test's own."""
     monkeypatch.setattr(dtype_mod, "SMALL_MODEL_PARAMS", 0)
     monkeypatch.setenv("TOKENWIRE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TOKENWIRE_DTYPE_REMEASURE", raising=False)
-    steps: list[torch.dtype] = []
+    monkeypatch.delenv("TOKENWIRE_DECODE_KERNEL", raising=False)
+    steps: list[Step] = []
     real = dtype_mod.decode_stepper
 
-    def spy(model: Any, **kw: int) -> Callable[[], float]:
+    def spy(model: Any, **kw: int) -> Callable[..., float]:
         step = real(model, **kw)
         dt = next(model.parameters()).dtype
 
-        def timed() -> float:
-            steps.append(dt)
-            return step()
+        def timed(kernel: str = "sdpa") -> float:
+            steps.append((dt, kernel))
+            return step(kernel)
 
         return timed
 
@@ -45,12 +49,16 @@ def measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[torch.dtyp
 
 
 def test_auto_times_both_dtypes_in_turn_and_keeps_bf16_only_when_clearly_faster(
-    tiny_model_dir: Path, measured: list[torch.dtype]
+    tiny_model_dir: Path, measured: list[Step]
 ) -> None:
     m = load_model(tiny_model_dir)
     # A warm-up each, then fp32 and bf16 in turn: a noisy moment hits both.
-    f32, b16 = torch.float32, torch.bfloat16
-    assert measured == [f32, b16] + [f32, b16] * dtype_mod.MEASURE_REPS
+    f32, b16 = (torch.float32, "sdpa"), (torch.bfloat16, "sdpa")
+    n = 2 * (1 + dtype_mod.MEASURE_REPS)
+    assert measured[:n] == [f32, b16] + [f32, b16] * dtype_mod.MEASURE_REPS
+    # Then the decode kernels in turn, in the dtype kept.
+    sdpa, kq = (m.dtype, "sdpa"), (m.dtype, "kq")
+    assert measured[n:] == [sdpa, kq] * (1 + dtype_mod.MEASURE_REPS)
     assert next(m.model.parameters()).dtype == m.dtype
     fig = m.dtype_figures
     assert fig["float32_ms"] > 0 and fig["bfloat16_ms"] > 0
@@ -62,7 +70,7 @@ def test_auto_times_both_dtypes_in_turn_and_keeps_bf16_only_when_clearly_faster(
 @pytest.mark.parametrize(("bf16_s", "kept"), [(0.95, torch.float32), (0.85, torch.bfloat16)])
 def test_a_near_tie_keeps_float32(
     tiny_model_dir: Path,
-    measured: list[torch.dtype],
+    measured: list[Step],
     monkeypatch: pytest.MonkeyPatch,
     bf16_s: float,
     kept: Any,
@@ -72,16 +80,17 @@ def test_a_near_tie_keeps_float32(
 
 
 def test_the_choice_is_remembered_per_machine_torch_and_model(
-    tiny_model_dir: Path, measured: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, measured: list[Step], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first = load_model(tiny_model_dir)
     n = len(measured)
     assert n > 0
-    again = load_model(tiny_model_dir)  # a later start: nothing timed, the same choice and figures
+    again = load_model(tiny_model_dir)  # a later start: nothing timed, the same choices and figures
     assert len(measured) == n
     assert again.dtype == first.dtype and next(again.model.parameters()).dtype == first.dtype
     assert "remembered" in again.dtype_note
     assert again.dtype_figures == pytest.approx(first.dtype_figures, abs=0.01)
+    assert again.decode_kernel == first.decode_kernel and "remembered" in again.kernel_note
     monkeypatch.setenv("TOKENWIRE_DTYPE_REMEASURE", "1")  # asked to measure again
     load_model(tiny_model_dir)
     assert len(measured) == 2 * n
@@ -95,3 +104,33 @@ def test_the_choice_is_remembered_per_machine_torch_and_model(
 def test_a_named_dtype_is_used_as_given(tiny_model_dir: Path) -> None:
     m = load_model(tiny_model_dir, dtype="bfloat16")
     assert m.dtype == torch.bfloat16 and next(m.model.parameters()).dtype == torch.bfloat16
+
+
+def test_the_decode_kernel_is_timed_in_the_dtype_that_serves(
+    tiny_model_dir: Path, measured: list[Step]
+) -> None:
+    m = load_model(tiny_model_dir, dtype="bfloat16")  # a named dtype: only the kernels are timed
+    b16 = torch.bfloat16
+    assert measured == [(b16, "sdpa"), (b16, "kq")] * (1 + dtype_mod.MEASURE_REPS)
+    assert "measured now" in m.kernel_note and "K @ q^T" in m.kernel_note
+    assert m.decode_kernel in ("sdpa", "kq")
+
+
+@pytest.mark.parametrize(("kq_s", "kept"), [(0.97, "sdpa"), (0.9, "kq")])
+def test_the_by_hand_kernel_is_kept_only_when_clearly_faster(
+    tiny_model_dir: Path, measured: list[Step], monkeypatch: pytest.MonkeyPatch, kq_s: float, kept: str
+) -> None:
+    monkeypatch.setattr(dtype_mod, "_interleaved", lambda steps: [1.0, kq_s])
+    m = load_model(tiny_model_dir, dtype="float32")
+    assert m.decode_kernel == kept and kept in m.kernel_note
+
+
+def test_a_named_decode_kernel_is_used_without_timing(
+    tiny_model_dir: Path, measured: list[Step], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENWIRE_DECODE_KERNEL", "kq")
+    m = load_model(tiny_model_dir, dtype="float32")
+    assert m.decode_kernel == "kq" and measured == []
+    monkeypatch.setenv("TOKENWIRE_DECODE_KERNEL", "flash")
+    with pytest.raises(SystemExit, match="TOKENWIRE_DECODE_KERNEL=flash: one of sdpa, kq"):
+        load_model(tiny_model_dir, dtype="float32")

@@ -135,13 +135,17 @@ PROMPTS = [
 ]
 
 
-def test_greedy_mixed_batches_match_generate_on_a_tiny_llama(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize("kernel", ["sdpa", "kq"])
+def test_greedy_mixed_batches_match_generate_on_a_tiny_llama(tiny: LoadedModel, kernel: str) -> None:
     greedy = SamplingParams(max_tokens=40, temperature=0.0)
     reqs = [Req(f"r{i}", chat(tiny, p), greedy, join=(0, 0, 1, 3, 7, 12)[i]) for i, p in enumerate(PROMPTS)]
     reqs.append(Req("raw", [5, 9, 13, 200, 7], SamplingParams(max_tokens=25, temperature=0.0), join=4))
     # Short slots of 48 tokens and only two long ones: sequences chunk (16-token budget), move up to
     # the long pool as they grow, and preempt one another.
-    run = drive(tiny, reqs, pools=((5, 48), (2, 256)), prefill_tokens=16, max_running=5)
+    runner = Runner(
+        tiny.model, ((5, 48), (2, 256)), device=tiny.device, dtype=tiny.dtype, decode_kernel=kernel
+    )
+    run = drive(tiny, reqs, pools=((5, 48), (2, 256)), prefill_tokens=16, max_running=5, runner=runner)
     assert run.sched.preemptions > 0 and run.max_batch >= 4
     for r in reqs:
         assert_matches(tiny, r.prompt, run.tokens[r.key], generate(tiny, r.prompt, r.params.max_tokens))
@@ -158,16 +162,20 @@ def test_greedy_mixed_batches_match_generate_on_smollm2(smol: LoadedModel) -> No
 
 
 @pytest.mark.slow
-def test_greedy_mixed_batches_follow_generate_on_smollm2_in_bfloat16() -> None:
+@pytest.mark.parametrize("kernel", ["sdpa", "kq"])
+def test_greedy_mixed_batches_follow_generate_on_smollm2_in_bfloat16(kernel: str) -> None:
     """The dtype --dtype auto serves on CPUs with AVX512-BF16 or AMX: the same batches, held to
-    transformers' own bf16 up to ties of a few bf16 steps (a wrong cache or mask parts far wider)."""
+    transformers' own bf16 up to ties of a few bf16 steps (a wrong cache or mask parts far wider), with
+    either decode kernel the engine may measure as faster there."""
     try:
         smol = load_model(dtype="bfloat16")
     except ModelNotFound as exc:
         pytest.skip(str(exc))
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     reqs = [Req(f"r{i}", chat(smol, p), greedy, join=(0, 0, 2, 3, 6, 9)[i]) for i, p in enumerate(PROMPTS)]
-    run = drive(smol, reqs, pools=((6, 64), (2, 512)), prefill_tokens=48, max_running=6)
+    pools = ((6, 64), (2, 512))
+    runner = Runner(smol.model, pools, device=smol.device, dtype=smol.dtype, decode_kernel=kernel)
+    run = drive(smol, reqs, pools=pools, prefill_tokens=48, max_running=6, runner=runner)
     for r in reqs:
         ref = generate(smol, r.prompt, r.params.max_tokens)
         assert_matches(smol, r.prompt, run.tokens[r.key], ref, bf16_steps=8)

@@ -225,7 +225,13 @@ def return_freed_memory_to_the_os() -> None:
     to the size of any mmapped block freed, so after the first 1 MiB frame every later one is carved out
     of the heap, and a flood of big frames leaves the process that much larger for good. A fixed
     threshold keeps blocks of 256 KiB and more (frames, bodies, their decoded strings) in mmap, freed at
-    once. Elsewhere (not glibc) this does nothing."""
+    once. Elsewhere (not glibc) this does nothing.
+
+    Only for a process with no engine (``start_gateway``'s ``engine_here``): the setting is process-wide,
+    and an engine's tensors of 256 KiB and more (a decode step's activations and logits, dozens a step)
+    would then each be a fresh mmap, page-faulted in and unmapped again. In ``tokenwire serve`` that cost
+    39% of its tokens/s (2026-12-05, a 2-core EPYC, the e2e workload over HTTP, alternated: 266.7 / 270.2
+    with it against 436.2 / 442.0 without)."""
     m_mmap_threshold, m_trim_threshold = -3, -1  # mallopt parameters, from glibc's malloc.h
     _glibc_call("mallopt", m_mmap_threshold, 256 * 1024)
     _glibc_call("mallopt", m_trim_threshold, 1 << 20)
@@ -236,9 +242,14 @@ def trim_heap() -> None:
     _glibc_call("malloc_trim", 0)
 
 
-async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gateway:
+async def start_gateway(
+    cfg: ServeConfig, h: StoreHandles, ready: Any, *, engine_here: bool = False
+) -> Gateway:
+    """``engine_here``: an engine runs in this process too (``tokenwire serve``), so glibc's malloc is left
+    as it is (return_freed_memory_to_the_os says why)."""
     secret = await shared_secret(h.r, h.store.keys, cfg.session_secret)
-    return_freed_memory_to_the_os()
+    if not engine_here:
+        return_freed_memory_to_the_os()
     sessions = SessionStore(h.r, h.store.keys, secret, cfg.store.session_ttl_ms)
     gateway = Gateway(h.store, sessions, h.reader, cfg.gateway, ready=ready, name=cfg.name)
     try:
@@ -351,7 +362,7 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
         workers: list[Any] = []
         # Ready once the workers are up, and not while they cannot reach Redis (they take no work then).
         gateway = await start_gateway(
-            cfg, h, ready=lambda: bool(workers) and all(w.store_ok for w in workers)
+            cfg, h, ready=lambda: bool(workers) and all(w.store_ok for w in workers), engine_here=True
         )
         # This process knows its models before loading them: chats may name them at once (they queue).
         gateway.models.local = tuple(name for name, _ in specs)

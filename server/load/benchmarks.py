@@ -879,7 +879,9 @@ def _render_engine(r: dict[str, Any]) -> list[str]:
         "",
         "## Engine (`tokenwire bench --turns 10`)",
         "",
-        f"{_cpu(e)}; dtype {e.get('dtype_note') or e.get('dtype')}.",
+        f"{_cpu(e)}; dtype {e.get('dtype_note') or e.get('dtype')}"
+        + (f"; decode attention {e['kernel_note']}" if e.get("kernel_note") else "")
+        + ".",
         "",
         "32 chat requests, output lengths drawn from 16-128, EOS ignored (every path does the same work),",
         "every path warmed up alike; `padded_loop`: one plain transformers decode loop over all 32, padded,",

@@ -55,6 +55,7 @@ def test_bench_json_has_the_headline_fields(tiny_config: str, tmp_path: Path) ->
     assert res["engine"]["step_over_floor"] is not None and res["engine"]["decode_steps"] > 0
     assert res["floor"]["ms"] is not None and res["engine"]["steps_compared"] > 0
     assert res["dtype"] == "float32"
+    assert res["decode_kernel"] in llama.DECODE_KERNELS and res["kernel_note"]  # a tiny model: SDPA, untimed
     assert res["cpu"]["model"] and isinstance(res["cpu"]["flags"], list)
     assert res["ratios"]["padded_loop"] > 0
     bound = res["engine"]["padded_bound"]  # the floor was measured at every request's row too

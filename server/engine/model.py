@@ -227,7 +227,7 @@ def settle_decode_kernel(loaded: LoadedModel, cache_dir: Path | None = None) -> 
     named = os.environ.get("TOKENWIRE_DECODE_KERNEL", "")
     if named:
         if named not in llama.DECODE_KERNELS:
-            raise SystemExit(f"TOKENWIRE_DECODE_KERNEL={named}: one of {', '.join(llama.DECODE_KERNELS)}")
+            raise ValueError(f"TOKENWIRE_DECODE_KERNEL={named}: one of {', '.join(llama.DECODE_KERNELS)}")
         loaded.decode_kernel, loaded.kernel_note = named, f"{named} (TOKENWIRE_DECODE_KERNEL)"
         return
     if loaded.device.startswith("cuda"):

@@ -132,5 +132,5 @@ def test_a_named_decode_kernel_is_used_without_timing(
     m = load_model(tiny_model_dir, dtype="float32")
     assert m.decode_kernel == "kq" and measured == []
     monkeypatch.setenv("TOKENWIRE_DECODE_KERNEL", "flash")
-    with pytest.raises(SystemExit, match="TOKENWIRE_DECODE_KERNEL=flash: one of sdpa, kq"):
+    with pytest.raises(ValueError, match="TOKENWIRE_DECODE_KERNEL=flash: one of sdpa, kq"):
         load_model(tiny_model_dir, dtype="float32")

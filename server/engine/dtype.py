@@ -117,7 +117,7 @@ def pick_cpu_dtype(model: Any, cache_dir: Path | None = None) -> DtypeChoice:
     if n_params < SMALL_MODEL_PARAMS or llama.unsupported_reason(model) is not None:
         return DtypeChoice(model, torch.float32, {})
     key = _choice_key(model, n_params)
-    known = _remembered(cache_dir, key)
+    known = _remembered(cache_dir, key, figures=("float32_ms", "bfloat16_ms"))
     if known is not None:
         figures = {k: float(known[k]) for k in ("float32_ms", "bfloat16_ms")}
         if known["chosen"] == "bfloat16":
@@ -153,8 +153,8 @@ def pick_decode_kernel(model: Any, cache_dir: Path | None = None) -> KernelChoic
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     key = f"{_choice_key(model, n_params)}:decode-kernel:{dtype}"
     names = {f"{k}_ms": k for k in llama.DECODE_KERNELS}
-    known = _remembered(cache_dir, key, allowed=llama.DECODE_KERNELS)
-    if known is not None and all(k in known for k in names):
+    known = _remembered(cache_dir, key, allowed=llama.DECODE_KERNELS, figures=tuple(names))
+    if known is not None:
         return KernelChoice(str(known["chosen"]), {k: float(known[k]) for k in names}, remembered=True)
     step = decode_stepper(model)
     seconds = _interleaved([functools.partial(step, kernel) for kernel in llama.DECODE_KERNELS])
@@ -176,12 +176,20 @@ def _choice_key(model: Any, n_params: int) -> str:
 
 
 def _remembered(
-    cache_dir: Path | None, key: str, allowed: tuple[str, ...] = ("float32", "bfloat16")
+    cache_dir: Path | None,
+    key: str,
+    allowed: tuple[str, ...] = ("float32", "bfloat16"),
+    figures: tuple[str, ...] = (),
 ) -> dict[str, Any] | None:
+    """The remembered entry for ``key``, or None (then it is measured again): none, asked to measure
+    again, or an entry that is not one this code wrote (a choice not ``allowed``, a figure missing or not
+    a number), so that a damaged file costs a measurement, never a start."""
     if cache_dir is None or os.environ.get("TOKENWIRE_DTYPE_REMEASURE") == "1":
         return None
     entry = _read(cache_dir).get(key)
-    if isinstance(entry, dict) and entry.get("chosen") in allowed:
+    if not isinstance(entry, dict) or entry.get("chosen") not in allowed:
+        return None
+    if all(isinstance(entry.get(f), int | float) and not isinstance(entry.get(f), bool) for f in figures):
         return entry
     return None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -134,3 +135,28 @@ def test_a_named_decode_kernel_is_used_without_timing(
     monkeypatch.setenv("TOKENWIRE_DECODE_KERNEL", "flash")
     with pytest.raises(ValueError, match="TOKENWIRE_DECODE_KERNEL=flash: one of sdpa, kq"):
         load_model(tiny_model_dir, dtype="float32")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda e: e.update({k: "x" for k in e if k.endswith("_ms")}),  # a figure not a number
+        lambda e: e.pop(next(k for k in e if k.endswith("_ms"))),  # a figure missing
+        lambda e: e.update(chosen="float64"),  # a choice this code never writes
+    ],
+    ids=["not-a-number", "missing", "unknown-choice"],
+)
+def test_a_damaged_choices_file_costs_a_measurement_not_a_start(
+    tiny_model_dir: Path, tmp_path: Path, measured: list[Step], damage: Callable[[dict[str, Any]], Any]
+) -> None:
+    load_model(tiny_model_dir)
+    n = len(measured)
+    path = tmp_path / "cache" / dtype_mod.CHOICES_FILE
+    choices = json.loads(path.read_text())
+    assert len(choices) == 2  # the dtype's and the decode kernel's
+    for entry in choices.values():
+        damage(entry)
+    path.write_text(json.dumps(choices))
+    again = load_model(tiny_model_dir)
+    assert len(measured) == 2 * n  # both measured again
+    assert "measured now" in again.dtype_note and "measured now" in again.kernel_note

@@ -227,7 +227,7 @@ def return_freed_memory_to_the_os() -> None:
     threshold keeps blocks of 256 KiB and more (frames, bodies, their decoded strings) in mmap, freed at
     once. Elsewhere (not glibc) this does nothing.
 
-    Only for a process with no engine (``start_gateway``'s ``engine_here``): the setting is process-wide,
+    Only for a process with no engine (``run_gateway``; ``serve`` leaves it): the setting is process-wide,
     and an engine's tensors of 256 KiB and more (a decode step's activations and logits, dozens a step)
     would then each be a fresh mmap, page-faulted in and unmapped again. In ``tokenwire serve`` that cost
     39% of its tokens/s (2026-12-05, a 2-core EPYC, the e2e workload over HTTP, alternated: 266.7 / 270.2
@@ -242,14 +242,8 @@ def trim_heap() -> None:
     _glibc_call("malloc_trim", 0)
 
 
-async def start_gateway(
-    cfg: ServeConfig, h: StoreHandles, ready: Any, *, engine_here: bool = False
-) -> Gateway:
-    """``engine_here``: an engine runs in this process too (``tokenwire serve``), so glibc's malloc is left
-    as it is (return_freed_memory_to_the_os says why)."""
+async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gateway:
     secret = await shared_secret(h.r, h.store.keys, cfg.session_secret)
-    if not engine_here:
-        return_freed_memory_to_the_os()
     sessions = SessionStore(h.r, h.store.keys, secret, cfg.store.session_ttl_ms)
     gateway = Gateway(h.store, sessions, h.reader, cfg.gateway, ready=ready, name=cfg.name)
     try:
@@ -362,7 +356,7 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
         workers: list[Any] = []
         # Ready once the workers are up, and not while they cannot reach Redis (they take no work then).
         gateway = await start_gateway(
-            cfg, h, ready=lambda: bool(workers) and all(w.store_ok for w in workers), engine_here=True
+            cfg, h, ready=lambda: bool(workers) and all(w.store_ok for w in workers)
         )
         # This process knows its models before loading them: chats may name them at once (they queue).
         gateway.models.local = tuple(name for name, _ in specs)
@@ -391,6 +385,7 @@ async def run_gateway(cfg: ServeConfig, *, stop: asyncio.Event | None = None) ->
     """A gateway process: sockets and sessions, no model. SIGTERM: stop accepting, close with 1012, exit."""
     stop = stop or asyncio.Event()
     _stop_on_signals(stop)
+    return_freed_memory_to_the_os()  # no engine here to pay for it (its docstring says why serve does not)
     async with open_store(cfg, embedded_ok=False) as h:
 
         def ready() -> bool:

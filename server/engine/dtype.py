@@ -111,10 +111,8 @@ class DtypeChoice(NamedTuple):
 def pick_cpu_dtype(model: Any, cache_dir: Path | None = None) -> DtypeChoice:
     """The clearly faster of fp32 and a bf16 copy (nothing is measured for a model too small to matter,
     or not on the Llama path: fp32), or the choice ``cache_dir`` remembers for this machine."""
-    from server.engine import llama
-
-    n_params = sum(p.numel() for p in model.parameters())
-    if n_params < SMALL_MODEL_PARAMS or llama.unsupported_reason(model) is not None:
+    n_params = _measurable_params(model)
+    if n_params is None:
         return DtypeChoice(model, torch.float32, {})
     key = _choice_key(model, n_params)
     known = _remembered(cache_dir, key, figures=("float32_ms", "bfloat16_ms"))
@@ -147,8 +145,8 @@ def pick_decode_kernel(model: Any, cache_dir: Path | None = None) -> KernelChoic
     dtype (keyed by the dtype too); nothing is measured for a small or non-Llama model (SDPA)."""
     from server.engine import llama
 
-    n_params = sum(p.numel() for p in model.parameters())
-    if n_params < SMALL_MODEL_PARAMS or llama.unsupported_reason(model) is not None:
+    n_params = _measurable_params(model)
+    if n_params is None:
         return KernelChoice("sdpa", {})
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     key = f"{_choice_key(model, n_params)}:decode-kernel:{dtype}"
@@ -162,6 +160,17 @@ def pick_decode_kernel(model: Any, cache_dir: Path | None = None) -> KernelChoic
     chosen = "kq" if figures["kq_ms"] < KQ_MARGIN * figures["sdpa_ms"] else "sdpa"
     _remember(cache_dir, key, chosen, figures)
     return KernelChoice(chosen, figures)
+
+
+def _measurable_params(model: Any) -> int | None:
+    """The model's parameter count when a decode step is worth timing (big enough, on the Llama path the
+    engine runs); None when it is not, and the defaults stand."""
+    from server.engine import llama
+
+    n_params = int(sum(p.numel() for p in model.parameters()))
+    if n_params < SMALL_MODEL_PARAMS or llama.unsupported_reason(model) is not None:
+        return None
+    return n_params
 
 
 def _choice_key(model: Any, n_params: int) -> str:

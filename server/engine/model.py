@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,35 +112,6 @@ def check_model_source(model_dir: str | Path | None) -> None:
         )
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantise a GGUF into a plain HF folder (safetensors + config + tokenizer) at ``out``, atomically."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # tied to embed_tokens; safetensors refuses shared storage
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    # transformers refuses save_pretrained on a GGUF-loaded model; the config is saved without the
-    # quantization_config, which would otherwise make the reload look for the GGUF again.
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    log.info("model.converted", gguf=str(gguf), to=str(out), seconds=round(time.perf_counter() - t0, 1))
-
-
 def default_model_dir() -> Path:
     """The cached HF folder of the default model, converting the GGUF on first use."""
     gguf = find_default_gguf()
@@ -152,7 +121,9 @@ def default_model_dir() -> Path:
     tag = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
     out = cache_root() / f"{DEFAULT_MODEL_NAME}-{tag.hexdigest()[:12]}"
     if not (out / "model.safetensors").is_file():
-        _convert_gguf(gguf, out)
+        from server.engine.gguf_convert import convert_gguf
+
+        convert_gguf(gguf, out)
     return out
 
 

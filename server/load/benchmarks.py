@@ -566,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
             section = {
                 "measured": time.strftime("%Y-%m-%d %H:%M UTC", start),
                 "machine": machine,
+                "cpu": _cpu_summary(),
                 "quick": args.quick,
                 "results": RUNNERS[name](work, args.quick),
                 # The 1-minute load average before and after: what else the machine was doing (a
@@ -581,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         load = section.get("load")
         results["measured"][name] = (
             section["measured"] + (" (--quick)" if section.get("quick") else ""),
+            section.get("cpu") or "—",  # sections saved before the CPU was recorded
             f"{load[0]} / {load[1]}" if load else "—",
         )
 
@@ -828,6 +830,15 @@ def _flood(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _cpu_summary() -> str:
+    """The CPU a section ran on, in a table cell: its model and the flags that decide what is fast (the
+    machines these VMs land on differ from one session to the next)."""
+    from server.engine.machine import cpu_info
+
+    c = cpu_info()
+    return f"{c['model']}: {' '.join(c['flags']) or '-'}"
+
+
 def render(r: dict[str, Any], *, quick: bool = False) -> str:
     measured = r.get("measured") or {}
     lines = [
@@ -841,9 +852,9 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         "themselves; more means something else ran too). Nothing here is edited by hand."
         + (" **This was a --quick run: not for comparison.**" if quick else ""),
         "",
-        "| section | started | load average before / after |",
-        "| --- | --- | --- |",
-        *(f"| {name} | {when} | {load} |" for name, (when, load) in measured.items()),
+        "| section | started | CPU (the flags that decide what is fast) | load average before / after |",
+        "| --- | --- | --- | --- |",
+        *(f"| {name} | {when} | {cpu} | {load} |" for name, (when, cpu, load) in measured.items()),
     ]
     if "eval" in r:
         lines += _render_eval(r["eval"])

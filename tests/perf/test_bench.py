@@ -293,3 +293,25 @@ def test_the_padded_loop_generates_what_a_plain_loop_of_each_request_alone_does(
                 plain.append(nxt)
                 out = model(input_ids=torch.tensor([[nxt]]), cache=out.cache, use_cache=True)
         assert got[r.key] == plain, (cache_kind, r.key)
+
+
+def test_the_sections_table_names_each_sections_cpu() -> None:
+    # The machines these VMs land on differ between sessions, so each section's row says which CPU ran it
+    # (a section saved before the CPU was recorded shows a dash).
+    from server.load.benchmarks import _cpu_summary, render
+
+    here = _cpu_summary()
+    text = render(
+        {
+            "machine": "x86_64, 2 cores, 3.11.7",
+            "measured": {
+                "engine": ("2026-12-06 01:00 UTC", here, "0.5 / 1.9"),
+                "soak": ("2026-12-01", "—", "—"),
+            },
+        }
+    )
+    header = "| section | started | CPU (the flags that decide what is fast) | load average before / after |"
+    assert header in text
+    assert f"| engine | 2026-12-06 01:00 UTC | {here} | 0.5 / 1.9 |" in text
+    assert "| soak | 2026-12-01 | — | — |" in text
+    assert here.split(":")[0] and ":" in here

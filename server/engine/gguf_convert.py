@@ -51,6 +51,20 @@ def read_once() -> Iterator[None]:
         readers.clear()
 
 
+def convert_once(gguf_file: Path, out: Path) -> None:
+    """``convert_gguf`` unless ``out`` holds the model already, one process at a time: the workers of a
+    ``tokenwire cluster`` start together, and without the lock each converted the same file (two at once
+    on 2 cores, each twice as slow), then replaced the folder another had just renamed into place and
+    begun to load. The others wait on the lock and find the folder done."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes, or when the process dies
+        if not (out / "model.safetensors").is_file():
+            convert_gguf(gguf_file, out)
+
+
 def convert_gguf(gguf_file: Path, out: Path) -> None:
     """Dequantise a GGUF into a plain HF folder (safetensors + config + tokenizer) at ``out``, atomically."""
     import torch

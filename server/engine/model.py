@@ -121,9 +121,9 @@ def default_model_dir() -> Path:
     tag = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
     out = cache_root() / f"{DEFAULT_MODEL_NAME}-{tag.hexdigest()[:12]}"
     if not (out / "model.safetensors").is_file():
-        from server.engine.gguf_convert import convert_gguf
+        from server.engine.gguf_convert import convert_once
 
-        convert_gguf(gguf, out)
+        convert_once(gguf, out)
     return out
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
+import time
 from pathlib import Path
 
 import gguf
@@ -66,3 +68,29 @@ def test_the_default_model_converts_to_the_same_bytes_either_way(
     once, plain = _files(tmp_path / "once"), _files(tmp_path / "plain")
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(once)
     assert once == plain
+
+
+def test_processes_starting_together_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cluster's workers start at once on a fresh cache: one converts, the others wait and load its folder.
+    # Threads stand in for the processes: each opens the lock file itself, so flock serialises them.
+    calls: list[Path] = []
+
+    def slow_convert(source: Path, out: Path) -> None:
+        calls.append(out)
+        time.sleep(0.3)
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", slow_convert)
+    out = tmp_path / "cache" / "model"
+    threads = [
+        threading.Thread(target=gguf_convert.convert_once, args=(tmp_path / "m.gguf", out)) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert calls == [out]
+    assert (out / "model.safetensors").read_bytes() == b"weights"
+    gguf_convert.convert_once(tmp_path / "m.gguf", out)  # a later start: nothing to do
+    assert calls == [out]

@@ -61,14 +61,17 @@ def convert_once(gguf_file: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_name(out.name + ".lock"), "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes, or when the process dies
-        if not (out / "model.safetensors").is_file():
-            convert_gguf(gguf_file, out)
+        if (out / "model.safetensors").is_file():
+            return
+        # Whoever wrote these half-done folders (half a GB each) is gone: it died holding this lock.
+        for stale in out.parent.glob(out.name + ".tmp*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        convert_gguf(gguf_file, out)
 
 
 def convert_gguf(gguf_file: Path, out: Path) -> None:
     """Dequantise a GGUF into a plain HF folder (safetensors + config + tokenizer) at ``out``, atomically."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
@@ -77,21 +80,33 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
         )
+    write_folder(model, tok, out)
+    log.info("model.converted", gguf=str(gguf_file), to=str(out), seconds=round(time.perf_counter() - t0, 1))
+
+
+def write_folder(model: Any, tok: Any, out: Path) -> None:
+    """Save ``model`` and ``tok`` as a plain HF folder at ``out``: written beside it, then renamed into
+    place, so a reader never sees half of one; a failure leaves nothing behind."""
+    from safetensors.torch import save_file
+
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # tied to embed_tokens; safetensors refuses shared storage
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    # transformers refuses save_pretrained on a GGUF-loaded model; the config is saved without the
-    # quantization_config, which would otherwise make the reload look for the GGUF again.
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    log.info("model.converted", gguf=str(gguf_file), to=str(out), seconds=round(time.perf_counter() - t0, 1))
+    try:
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # tied to embed_tokens; safetensors refuses shared storage
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # transformers refuses save_pretrained on a GGUF-loaded model; the config is saved without the
+        # quantization_config, which would otherwise make the reload look for the GGUF again.
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException:  # a full disk, Ctrl-C: no half-written folder left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -94,3 +94,42 @@ def test_processes_starting_together_convert_once(tmp_path: Path, monkeypatch: p
     assert (out / "model.safetensors").read_bytes() == b"weights"
     gguf_convert.convert_once(tmp_path / "m.gguf", out)  # a later start: nothing to do
     assert calls == [out]
+
+
+def test_a_conversion_that_died_leaves_nothing_the_next_one_keeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A process killed mid-conversion (kill -9: no cleanup of its own) left its half-written folder; the
+    # next one to hold the lock removes it before converting.
+    out = tmp_path / "cache" / "model"
+    stale = out.with_name(out.name + ".tmp4242")
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    other = tmp_path / "cache" / "another-model.tmp4242"  # not this model's: left alone
+    other.mkdir()
+    monkeypatch.setattr(
+        gguf_convert, "convert_gguf", lambda source, o: (o.mkdir(), (o / "model.safetensors").touch())
+    )
+    gguf_convert.convert_once(tmp_path / "m.gguf", out)
+    assert not stale.exists() and other.exists()
+    assert (out / "model.safetensors").is_file()
+
+
+def test_the_folder_appears_whole_or_not_at_all(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    out = tmp_path / "model"
+    gguf_convert.write_folder(model, tok, out)
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert AutoModelForCausalLM.from_pretrained(str(out)).config.hidden_size == model.config.hidden_size
+
+    class FullDisk:
+        def save_pretrained(self, folder: str) -> None:
+            raise OSError(28, "No space left on device")
+
+    again = tmp_path / "again"
+    with pytest.raises(OSError, match="No space"):
+        gguf_convert.write_folder(model, FullDisk(), again)
+    assert list(tmp_path.iterdir()) == [out]  # neither the folder nor its half-written sibling

@@ -59,14 +59,22 @@ def convert_once(gguf_file: Path, out: Path) -> None:
     import fcntl
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_name(out.name + ".lock"), "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes, or when the process dies
+    # Read-only is enough for flock, and opens a lock file another user of a shared cache created.
+    fd = os.open(out.with_name(out.name + ".lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("model.conversion_waiting", to=str(out), why="another process is converting the GGUF")
+            fcntl.flock(fd, fcntl.LOCK_EX)  # let go when the file closes, or when that process dies
         if (out / "model.safetensors").is_file():
             return
         # Whoever wrote these half-done folders (half a GB each) is gone: it died holding this lock.
         for stale in out.parent.glob(out.name + ".tmp*"):
             shutil.rmtree(stale, ignore_errors=True)
         convert_gguf(gguf_file, out)
+    finally:
+        os.close(fd)
 
 
 def convert_gguf(gguf_file: Path, out: Path) -> None:

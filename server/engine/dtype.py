@@ -150,13 +150,13 @@ def pick_decode_kernel(model: Any, cache_dir: Path | None = None) -> KernelChoic
         return KernelChoice("sdpa", {})
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     key = f"{_choice_key(model, n_params)}:decode-kernel:{dtype}"
-    names = {f"{k}_ms": k for k in llama.DECODE_KERNELS}
-    known = _remembered(cache_dir, key, allowed=llama.DECODE_KERNELS, figures=tuple(names))
+    names = tuple(f"{k}_ms" for k in llama.DECODE_KERNELS)  # each kernel's figure, in that order
+    known = _remembered(cache_dir, key, allowed=llama.DECODE_KERNELS, figures=names)
     if known is not None:
         return KernelChoice(str(known["chosen"]), {k: float(known[k]) for k in names}, remembered=True)
     step = decode_stepper(model)
     seconds = _interleaved([functools.partial(step, kernel) for kernel in llama.DECODE_KERNELS])
-    figures = {f"{k}_ms": s * 1000 for k, s in zip(llama.DECODE_KERNELS, seconds, strict=True)}
+    figures = {name: s * 1000 for name, s in zip(names, seconds, strict=True)}
     chosen = "kq" if figures["kq_ms"] < KQ_MARGIN * figures["sdpa_ms"] else "sdpa"
     _remember(cache_dir, key, chosen, figures)
     return KernelChoice(chosen, figures)

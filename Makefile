@@ -8,7 +8,7 @@ STAMP := $(VENV)/.tokenwire-installed
 HOST ?= 127.0.0.1
 PORT ?= 8765
 
-.PHONY: run test lint typecheck pytest install js-deps bench bench-peers image clean
+.PHONY: run test lint typecheck pytest install js-deps bench bench-peers bench-gpu-smoke image clean
 
 install: $(STAMP)
 
@@ -66,6 +66,11 @@ bench: $(STAMP)
 # and a C++ compiler; cached in .bench/peers), against tokenwire serve on the same workload.
 bench-peers: $(STAMP)
 	$(PY) -m server.load.benchmarks --out BENCHMARKS.md --work .bench --only peers
+
+# server/bench/gpu.sh's smoke run on this CPU against the GPU image's transformers and hub (downloaded
+# once into .bench/gpu-image-site): before a GPU lease, so a version difference fails here, not there.
+bench-gpu-smoke: $(STAMP)
+	PYTHON=$(CURDIR)/$(PY) bash server/bench/gpu.sh --image-smoke .bench/gpu-image-smoke.json
 
 # The images the compose file and the Kubernetes manifests name, built locally (no registry needed: load
 # them with `kind load docker-image` / `minikube image load`, see deploy/README.md). Needs Docker.

@@ -14,6 +14,11 @@
 #       run(command="bash server/bench/gpu.sh", carry=[".bench/gpu-wheels"], timeout_s=540)
 #   On a CPU, in seconds: the same script end to end on the toy preset (tests/bench/test_gpu_script.py):
 #       server/bench/gpu.sh --smoke [OUT.json]
+#   On a CPU that reaches PyPI, about a minute: the smoke run, transformers' continuous batching included,
+#   against the GPU image's own transformers, huggingface_hub, tokenizers and safetensors (GPU_IMAGE_PINS
+#   below, installed once into .bench/gpu-image-site, which shadows the venv's), so an API that differs
+#   between those and this project's pins fails here, not in the GPU lease (`make bench-gpu-smoke`):
+#       server/bench/gpu.sh --image-smoke [OUT.json]
 #
 # Options:
 #   --runs "PRESET:N[:LIMIT_S] ..."  the runs, in order (default: the matrix below; --smoke: tiny:2 tiny:4)
@@ -39,6 +44,12 @@ GPU_RUNS="135m:32:90 135m:64:90 1.7b:32:100 1.7b:64:100 135m:256:120 1.7b:256:15
 SMOKE_RUNS="tiny:2 tiny:4"
 DEFAULT_LIMIT=120 # seconds, for a run given without one
 PROJECT_WHEELS="structlog PyJWT websockets" # what the bench imports beyond the GPU image's packages
+# What the GPU image reports for the packages the bench reads models through (pip list there, 2026-11:
+# Python 3.12.3, torch 2.11.0+cu130). torch is not among them: a CPU torch 2.11 from PyPI is not a wheel
+# this machine can take (its CUDA build is several GB), so --image-smoke keeps the venv's torch.
+GPU_IMAGE_PINS="transformers==5.17.0 huggingface_hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0"
+# What those import that the venv's newer versions do not (--no-deps keeps the venv's numpy, yaml, ...).
+GPU_IMAGE_EXTRA="httpx httpcore anyio certifi idna"
 
 die() {
 	echo "gpu.sh: $*" >&2
@@ -64,6 +75,7 @@ while (($#)); do
 		fi
 		;;
 	--smoke) mode=smoke ;;
+	--image-smoke) mode=image ;;
 	--runs) runs=${2:?--runs needs a value} && shift ;;
 	--paths) paths=${2:?--paths needs a value} && shift ;;
 	--device) device=${2:?--device needs a value} && shift ;;
@@ -111,6 +123,33 @@ print(" ".join(f"{n}=={version(n)}" for n in sys.argv[1:]))' $PROJECT_WHEELS) ||
 	echo "gpu.sh: $(find "$wheels" -name '*.whl' | wc -l) wheels in $wheels ($specs), $(du -sh "$wheels" | cut -f1)"
 	echo "device tool: run(command=\"bash server/bench/gpu.sh\", carry=[\"${wheels#"$repo"/}\"], timeout_s=540)"
 	exit 0
+fi
+
+# ---- --image-smoke: here, with PyPI: the smoke run on the GPU image's versions --------------------------
+
+if [[ $mode == image ]]; then
+	site=$repo/.bench/gpu-image-site
+	pins="$GPU_IMAGE_PINS $GPU_IMAGE_EXTRA"
+	if [[ $(cat "$site/.pins" 2>/dev/null) != "$pins" ]]; then
+		rm -rf "$site"
+		# shellcheck disable=SC2086 # the pins are words
+		"$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --target "$site" $pins || {
+			echo "gpu.sh: installing $pins into $site failed" >&2
+			exit 1
+		}
+		echo "$pins" >"$site/.pins"
+	fi
+	want=$(sed -n 's/.*transformers==\([^ ]*\).*/\1/p' <<<"$GPU_IMAGE_PINS")
+	got=$(PYTHONPATH=$site "$PYTHON" -c 'import transformers; print(transformers.__version__)') ||
+		die "transformers from $site does not import"
+	[[ $got == "$want" ]] || die "$site gives transformers $got, not $want"
+	out=${out:-$repo/.bench/gpu-image-smoke.json}
+	[[ $out == /* ]] || out=$orig/$out
+	echo "gpu.sh: the smoke run with transformers $got and the rest of: $GPU_IMAGE_PINS"
+	# transformers' continuous batching too: it is the path most likely to differ between versions. One
+	# run of 4: on a CPU its paged cache takes most of the RAM for about a minute.
+	PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} exec bash "${BASH_SOURCE[0]}" --smoke --runs "${runs:-tiny:4:240}" \
+		--paths "${paths:-padded_loop,hf_cb,engine}" --budget "${budget:-300}" "$out" -- ${extra[@]+"${extra[@]}"}
 fi
 
 # ---- the runs ----------------------------------------------------------------------------------------------

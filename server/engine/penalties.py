@@ -46,22 +46,28 @@ def apply_penalties(
     if not rows:
         return logits
     vocab = logits.shape[-1]
+    # The pairs are found on the host (a few thousand ids) and the edit made where the logits are, so a
+    # GPU's greedy rows keep their logits there (Runner.argmax_on_device).
+    dev, dt = logits.device, logits.dtype
     with torch.inference_mode():  # the runner's logits are inference tensors: edit them in that mode
         rep = [i for i in rows if params[i].repetition_penalty != 1.0 and tokens[i]]
         if rep:
             # Each token seen, once (a token seen twice is penalised once, as transformers does).
             r, t, _ = _seen(rep, [_valid(tokens[i], vocab) for i in rep], vocab)
+            penalty = torch.tensor([p.repetition_penalty for p in params], dtype=dt)[r].to(dev)
+            r, t = r.to(dev), t.to(dev)
             vals = logits[r, t]
-            penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)[r]
             logits[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
         freq = [i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]
         if freq:
             r, t, counts = _seen(freq, [_valid(tokens[i][n_prompt[i] :], vocab) for i in freq], vocab)
             if r.numel():
-                c = counts.to(logits.dtype)
-                f = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)[r]
-                pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)[r]
-                logits[r, t] = logits[r, t] - (c * f + (c > 0).to(logits.dtype) * pres)
+                c = counts.to(dt)
+                f = torch.tensor([p.frequency_penalty for p in params], dtype=dt)[r]
+                pres = torch.tensor([p.presence_penalty for p in params], dtype=dt)[r]
+                cut = (c * f + (c > 0).to(dt) * pres).to(dev)
+                r, t = r.to(dev), t.to(dev)
+                logits[r, t] = logits[r, t] - cut
     return logits
 
 

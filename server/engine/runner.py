@@ -54,6 +54,9 @@ class Runner:
         self.cache = llama.Cache(
             self.shape, list(pools), dtype=dtype, device=self.device, decode_kernel=decode_kernel
         )
+        # On a GPU, greedy rows take their argmax where the logits are (``step``);
+        # on CPU the logits are already on the host and every row goes through ``sample``.
+        self.argmax_on_device = self.device.type != "cpu"
         self.stats = RunnerStats(
             kv_bytes=self.cache.data.numel() * self.cache.data.element_size(),
             bytes_per_token=kv_bytes_per_token(model, dtype),
@@ -84,11 +87,36 @@ class Runner:
         sampled = batch.sampled
         if not sampled:
             return []
-        params = [w.seq.params for w in sampled]
-        offsets = [w.seq.completion_len for w in sampled]  # completion index of the token being drawn
         seqs = [w.seq for w in sampled]
-        logits = apply_penalties(logits.cpu(), params, [s.tokens for s in seqs], [s.n_prompt for s in seqs])
-        tokens = sample(logits, params, offsets)
+        params = [s.params for s in seqs]
+        tokens = [0] * len(seqs)
+        rest = list(range(len(seqs)))  # rows drawn on the host
+        if self.argmax_on_device:
+            # At 256 rows a step's float32 logits are 50 MB to copy to the host (and to scan there); a
+            # greedy row needs only its argmax, after its penalties (applied where the logits are), so
+            # only those ints cross. Same tokens: argmax takes the first of equal maxima on every device.
+            greedy = [i for i, p in enumerate(params) if p.temperature <= 0.0]
+            if greedy:
+                g = apply_penalties(
+                    _rows(logits, greedy),
+                    [params[i] for i in greedy],
+                    [seqs[i].tokens for i in greedy],
+                    [seqs[i].n_prompt for i in greedy],
+                )
+                for i, t in zip(greedy, g.argmax(dim=-1).tolist(), strict=True):
+                    tokens[i] = int(t)
+            rest = [i for i, p in enumerate(params) if p.temperature > 0.0]
+        if rest:
+            host = apply_penalties(
+                _rows(logits, rest).cpu(),
+                [params[i] for i in rest],
+                [seqs[i].tokens for i in rest],
+                [seqs[i].n_prompt for i in rest],
+            )
+            # completion index of the token being drawn: a row's draw depends on (seed, offset) alone
+            drawn = sample(host, [params[i] for i in rest], [seqs[i].completion_len for i in rest])
+            for i, t in zip(rest, drawn, strict=True):
+                tokens[i] = t
         lap("sampling")
         return tokens
 
@@ -166,6 +194,13 @@ class Runner:
             prefill=prefill,
             logits_at=torch.tensor(logits_at, dtype=torch.long, device=dev),
         )
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows ``rows`` of ``t`` in order: ``t`` itself when they are all of them (no copy)."""
+    if len(rows) == t.shape[0]:
+        return t
+    return t.index_select(0, torch.tensor(rows, dtype=torch.long, device=t.device))
 
 
 def _slot(w: Work) -> tuple[int, int]:

@@ -240,3 +240,44 @@ def test_a_model_that_is_not_llama_family_is_refused(tmp_path: Path) -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64))
     with pytest.raises(ValueError, match="Llama-family"):
         Runner(model, ((2, 32),), device="cpu", dtype=torch.float32)
+
+
+def test_greedy_rows_argmax_on_the_device_give_the_same_tokens(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the greedy rows take their argmax there, after their penalties, and only the sampled rows'
+    logits go to the host (Runner.argmax_on_device). Forced on here, on CPU, it must draw every token the
+    all-on-the-host path draws, in a batch that mixes greedy, penalised greedy and sampled rows."""
+    pools = ((3, 64), (2, 256))
+    sampled = SamplingParams(max_tokens=22, temperature=0.8, seed=3)
+    reqs = [
+        Req("greedy", chat(tiny, PROMPTS[0]), SamplingParams(max_tokens=24, ignore_eos=True)),
+        Req(
+            "penalised",
+            chat(tiny, PROMPTS[1]),
+            SamplingParams(max_tokens=20, temperature=0.0, frequency_penalty=0.5, ignore_eos=True),
+            join=1,
+        ),
+        Req("sampled", chat(tiny, PROMPTS[4]), sampled, join=2),
+        Req("greedy2", chat(tiny, PROMPTS[5]), SamplingParams(max_tokens=18, temperature=0.0), join=3),
+    ]
+    host = drive(tiny, reqs, pools=pools, prefill_tokens=16, max_running=4)
+
+    import server.engine.runner as runner_mod
+
+    drawn_rows: list[int] = []
+    real_sample = runner_mod.sample
+
+    def counting(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequence[int]) -> list[int]:
+        assert all(p.temperature > 0.0 for p in params)
+        drawn_rows.append(len(params))
+        return real_sample(logits, params, offsets)
+
+    monkeypatch.setattr(runner_mod, "sample", counting)
+    runner = Runner(tiny.model, pools, device=tiny.device, dtype=tiny.dtype)
+    runner.argmax_on_device = True
+    device = drive(tiny, reqs, pools=pools, prefill_tokens=16, max_running=4, runner=runner)
+    assert device.tokens == host.tokens
+    assert all(len(device.tokens[r.key]) > 0 for r in reqs)
+    # Only the sampled row reached the host, in the steps that drew for it.
+    assert drawn_rows and max(drawn_rows) == 1

@@ -37,6 +37,9 @@ class EngineConfig:
     prefix_reuse: bool
     fair: bool = True  # token-weighted fair queueing across users (False: FIFO)
     prefill_tokens_decoding: int | None = None  # the prefill budget while anything decodes (None: the same)
+    # Leading prompt tokens whose KV a new sequence copies from another that holds them, when at least
+    # this many (0: off; SchedulerConfig.share_min_tokens): a copy costs far less than feeding 8 tokens.
+    share_min_tokens: int = 8
 
 
 def engine_for(loaded: LoadedModel, **overrides: Any) -> Engine:
@@ -117,6 +120,22 @@ def default_config(
     )
 
 
+def public_prefix(loaded: LoadedModel) -> tuple[int, ...]:
+    """The tokens every templated prompt starts with whatever its messages say (the chat template's own
+    opening, e.g. SmolLM2's default system prompt: 24 tokens): two one-message chats' common prefix.
+    Prompts share their KV across users up to here only (SchedulerConfig.public_prefix)."""
+    try:
+        a = loaded.encode_chat([{"role": "user", "content": "a"}])
+        b = loaded.encode_chat([{"role": "user", "content": "b"}])
+    except Exception as exc:  # a tokenizer without a chat template: nothing is shared across users
+        log.warning("engine.no_public_prefix", error=repr(exc))
+        return ()
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return tuple(a[:n])
+
+
 class BatchingEngine(ThreadedEngine):
     """Engine protocol (api.py) over a Scheduler and a Runner, on its own thread (threaded.py)."""
 
@@ -171,6 +190,8 @@ class BatchingEngine(ThreadedEngine):
             prefix_reuse=c.prefix_reuse,
             fair=c.fair,
             borrow_rows=max(1, c.max_running // 8),  # a light user's chat runs at once, the batch 1/8 over
+            share_min_tokens=c.share_min_tokens,
+            public_prefix=public_prefix(self.m),
         )
         return Scheduler(cfg, self.m.decode)
 

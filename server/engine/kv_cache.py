@@ -61,6 +61,7 @@ class CachedPrefix:
     ids: list[int]
     slot: SlotRef | None = None
     kv_len: int = 0
+    user: str = ""  # whose turn it was: its KV is shared past the public prefix with that user only
 
 
 @dataclass(slots=True)
@@ -187,6 +188,14 @@ class SlotTable:
         holder.slot = new
         self._pools[new[0]].holders[new[1]] = holder
         return True
+
+    def share(self, src: SlotRef, holder: Holder, length: int) -> None:
+        """Start ``holder``'s freshly acquired slot with a copy of the first ``length`` positions of
+        ``src``'s KV (leading tokens the two have in common); ``src`` keeps its own."""
+        assert holder.slot is not None and holder.kv_len == 0 and src != holder.slot
+        assert self.holder_at(src) is not None
+        self.ops.append(Move(src, holder.slot, length))
+        holder.kv_len = length
 
     # ---- cached prefixes ---------------------------------------------------------------------------
 

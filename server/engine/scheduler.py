@@ -59,7 +59,7 @@ class Seq:
     kv_len: int = 0  # tokens[:kv_len] have their KV in the slot
     admitted: bool = False  # admitted at least once (a preempted sequence is not new work)
     preemptions: int = 0
-    reused: int = 0  # prompt tokens whose KV came from the session's cached prefix (last admission)
+    reused: int = 0  # prompt tokens whose KV came from a cache at its last admission (session or shared)
 
     @property
     def completion_len(self) -> int:
@@ -104,6 +104,14 @@ class SchedulerConfig:
     max_waiting: int = 256  # new requests waiting beyond this are refused (QueueFull)
     eos_ids: frozenset[int] = frozenset()
     prefix_reuse: bool = True
+    # A new sequence starts with a copy of the KV of its leading tokens where a running sequence or a
+    # cached prefix already holds them, at least ``share_min_tokens`` of them (0, the default here:
+    # never; the engine's is 8, EngineConfig). Across users only within ``public_prefix``, the chat
+    # template's own opening, the same for everyone: a longer shared prefix would make one user's first
+    # token come sooner when another user's prompt starts the same way, a timing signal about that
+    # prompt. One user's own requests share any common prefix.
+    share_min_tokens: int = 0
+    public_prefix: tuple[int, ...] = ()
     fair: bool = True  # token-weighted fair queueing across users; False: strict arrival order (FIFO)
     borrow_rows: int = 4  # fair share: rows past max_running a user under their share may take at once
 
@@ -131,6 +139,7 @@ class Scheduler:
         self._rows: dict[str, int] = {}  # user -> running sequences
         self._queued: dict[str, int] = {}  # user -> waiting sequences
         self.reused_tokens = 0  # prompt tokens not fed again thanks to session prefix reuse
+        self.shared_tokens = 0  # prompt tokens not fed again: their KV copied from another sequence
 
     @property
     def max_context(self) -> int:
@@ -317,7 +326,7 @@ class Scheduler:
         seq.state = State.DONE
         keep = None
         if seq.session and seq.kv_len > 0:
-            keep = CachedPrefix(seq.session, seq.tokens[: seq.kv_len])
+            keep = CachedPrefix(seq.session, seq.tokens[: seq.kv_len], user=seq.user)
         self.table.release(seq, keep)
 
     def _admit(self, seq: Seq) -> bool:
@@ -343,7 +352,32 @@ class Scheduler:
         if not any(self.table.acquire(t, seq) for t in pools):
             return False
         seq.kv_len = seq.reused = 0
+        self._share_prefix(seq)
         return True
+
+    def _share_prefix(self, seq: Seq) -> None:
+        """Copy into ``seq``'s new slot the KV of its longest run of leading tokens that a running sequence
+        or a cached prefix already holds (SchedulerConfig.share_min_tokens; across users only within the
+        public prefix). The copy is one op before the step's forward; the tokens are not fed again."""
+        if self.cfg.share_min_tokens <= 0:
+            return
+        cap = len(seq.tokens) - 1  # its last token is always fed: its logits are the first draw
+        public = _common_prefix(self.cfg.public_prefix, seq.tokens, cap)
+        best, src = self.cfg.share_min_tokens - 1, None
+        donors: list[Seq | CachedPrefix] = [*self.running, *self.table.prefixes.values()]
+        for d in donors:
+            if d is seq or d.slot is None or d.kv_len <= best:
+                continue
+            limit = min(d.kv_len, cap if d.user == seq.user else public)
+            if limit <= best:
+                continue
+            n = _common_prefix(d.tokens if isinstance(d, Seq) else d.ids, seq.tokens, limit)
+            if n > best:
+                best, src = n, d.slot
+        if src is not None:
+            self.table.share(src, seq, best)
+            seq.reused = best
+            self.shared_tokens += best
 
     def _room(self, seq: Seq, need: int) -> bool:
         """Make the slot of running ``seq`` hold ``need`` positions: move it to a larger pool, preempting

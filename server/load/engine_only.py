@@ -114,6 +114,7 @@ async def _conversation(driver: EngineDriver, user: int, conversation: int) -> N
             messages=[*history, message],
             params=params_from_payload(chat.params.to_wire()),
             session=session,
+            user=f"{st.tag}-{user}",  # each simulated user its own, as each connection's owner is served
         )
         rec.sent_at = st.now()
         text = await driver.generate(rec, request)

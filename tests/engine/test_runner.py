@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from server.engine.api import SamplingParams
+from server.engine.engine import public_prefix
 from server.engine.model import LoadedModel, ModelNotFound, load_model
 from server.engine.runner import Runner
 from server.engine.scheduler import Scheduler, SchedulerConfig
@@ -62,6 +63,7 @@ def drive(
     max_running: int = 8,
     reuse: bool = True,
     runner: Runner | None = None,
+    share: int = 0,
 ) -> Drive:
     cfg = SchedulerConfig(
         pools=pools,
@@ -69,6 +71,7 @@ def drive(
         prefill_tokens=prefill_tokens,
         eos_ids=m.eos_ids,
         prefix_reuse=reuse,
+        share_min_tokens=share,
     )
     sched = Scheduler(cfg, m.decode)
     runner = runner or Runner(m.model, pools, device=m.device, dtype=m.dtype)
@@ -149,6 +152,27 @@ def test_greedy_mixed_batches_match_generate_on_a_tiny_llama(tiny: LoadedModel, 
     assert run.sched.preemptions > 0 and run.max_batch >= 4
     for r in reqs:
         assert_matches(tiny, r.prompt, run.tokens[r.key], generate(tiny, r.prompt, r.params.max_tokens))
+
+
+def test_prompts_that_start_alike_copy_that_kv_and_still_match_generate(peaky_model_dir: Path) -> None:
+    """Shared prompt starts (SchedulerConfig.share_min_tokens): every chat prompt opens with the template's
+    system prompt, and some go on alike for longer; the copies land in slots that then chunk, move up a
+    pool and get preempted, and every reply is still transformers' own."""
+    m = load_model(peaky_model_dir, dtype="float32")  # its text depends on the prompt, unlike tiny's
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+    texts = [*PROMPTS, "The capital of France is Paris. And the capital of Spain is", "The capital of Fr"]
+    joins = (0, 1, 2, 9, 5, 8, 3, 12)
+    reqs = [Req(f"r{i}", chat(m, p), greedy, join=joins[i]) for i, p in enumerate(texts)]
+    run = drive(m, reqs, pools=((5, 48), (2, 256)), prefill_tokens=16, max_running=5, share=8)
+    assert run.sched.preemptions > 0
+    # The two France prompts: the later one (step 3) copies all it has in common with the earlier one
+    # (step 1, its prompt fed by then) past the template's opening.
+    a, b = reqs[1].prompt, reqs[6].prompt
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert common > len(public_prefix(m)) and common >= 8
+    assert run.sched.shared_tokens >= common
+    for r in reqs:
+        assert_matches(m, r.prompt, run.tokens[r.key], generate(m, r.prompt, r.params.max_tokens))
 
 
 @pytest.mark.slow

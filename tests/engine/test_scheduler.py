@@ -76,6 +76,8 @@ def make(
     max_waiting: int = 64,
     reuse: bool = True,
     clock: list[float] | None = None,
+    share: int = 0,
+    public: Sequence[int] = (),
 ) -> tuple[Scheduler, FakeRunner]:
     cfg = SchedulerConfig(
         pools=tuple(pools),
@@ -85,6 +87,8 @@ def make(
         max_waiting=max_waiting,
         eos_ids=frozenset({EOS}),
         prefix_reuse=reuse,
+        share_min_tokens=share,
+        public_prefix=tuple(public),
     )
     now = clock if clock is not None else [0.0]
     return Scheduler(cfg, fake_decode, clock=lambda: now[0]), FakeRunner(pools)
@@ -403,6 +407,89 @@ def test_cached_prefixes_are_evicted_lru_when_slots_are_needed() -> None:
     assert s.table.prefixes == {}  # two running sequences need both slots
 
 
+HEAD = prompt(20, 5)  # the leading tokens the prompts below have in common
+
+
+def step_into(outs: dict[str, list[StepOutput]], s: Scheduler, r: FakeRunner) -> None:
+    for o in step(s, r):
+        outs.setdefault(o.key, []).append(o)
+
+
+def run_into(outs: dict[str, list[StepOutput]], s: Scheduler, r: FakeRunner) -> dict[str, list[StepOutput]]:
+    for key, more in run(s, r).items():
+        outs.setdefault(key, []).extend(more)
+    return outs
+
+
+def test_a_new_request_copies_the_kv_of_the_prompt_start_a_running_one_holds() -> None:
+    s, r = make(((4, 128),), prefill_tokens=256, share=8)
+    a = HEAD + prompt(10, 1)
+    s.add("a", a, greedy(30), user="u")
+    step(s, r)  # a's prompt is in its slot now
+    b = HEAD + prompt(7, 2)
+    s.add("b", b, greedy(8), user="u")
+    fed_before = r.fed
+    batch = s.schedule()
+    [work] = [w for w in batch.work if w.seq.key == "b"]
+    assert (work.start, work.n) == (len(HEAD), len(b) - len(HEAD))
+    assert Move(s.by_key["a"].slot, s.by_key["b"].slot, len(HEAD)) in batch.ops  # type: ignore[arg-type]
+    outs: dict[str, list[StepOutput]] = {}
+    for o in s.postprocess(batch, r.step(batch)):  # the fake runner checks b's slot holds HEAD first
+        outs.setdefault(o.key, []).append(o)
+    run_into(outs, s, r)
+    check_stream(outs["b"], reference(b, 8))
+    assert s.shared_tokens == len(HEAD)
+    # b fed its prompt less HEAD, then 7 tokens; a its 29 tokens after the first
+    assert r.fed - fed_before == len(b) - len(HEAD) + 7 + 29
+
+
+def test_across_users_only_the_public_prefix_is_shared() -> None:
+    for public, expected in ((HEAD[:12], 12), (HEAD[:5], 0), ((), 0), ([*HEAD, 1, 2], len(HEAD))):
+        s, r = make(((4, 128),), prefill_tokens=256, share=8, public=public)
+        outs: dict[str, list[StepOutput]] = {}
+        s.add("a", HEAD + prompt(10, 1), greedy(30), user="alice")
+        step_into(outs, s, r)
+        s.add("b", HEAD + prompt(7, 2), greedy(8), user="bob")
+        s.add("c", HEAD + prompt(7, 3), greedy(8), user="alice")
+        step_into(outs, s, r)
+        assert s.by_key["b"].reused == expected, public
+        assert s.by_key["c"].reused == len(HEAD)  # alice's own request: all it has in common
+        run_into(outs, s, r)
+        check_stream(outs["b"], reference(HEAD + prompt(7, 2), 8))
+        check_stream(outs["c"], reference(HEAD + prompt(7, 3), 8))
+
+
+def test_nothing_is_copied_from_a_prompt_not_yet_fed_nor_past_the_last_token() -> None:
+    s, r = make(((4, 128),), prefill_tokens=256, share=8)
+    outs: dict[str, list[StepOutput]] = {}
+    p = HEAD + prompt(10, 1)
+    s.add("a", p, greedy(30), user="u")
+    s.add("b", p, greedy(30), user="u")  # admitted in the same step as a: a has fed nothing yet
+    step_into(outs, s, r)
+    assert s.by_key["b"].reused == 0
+    s.add("c", p, greedy(5), user="u")  # the same prompt: all but its last token, which gives the logits
+    step_into(outs, s, r)
+    assert s.by_key["c"].reused == len(p) - 1
+    run_into(outs, s, r)
+    check_stream(outs["c"], reference(p, 5))
+    check_stream(outs["b"], reference(p, 30))
+
+
+def test_a_cached_session_prefix_lends_its_kv_to_another_session_of_its_user() -> None:
+    s, r = make(((4, 128),), prefill_tokens=256, share=8)
+    s.add("t1", HEAD + prompt(4, 1), greedy(3), session="S1", user="u")
+    run(s, r)
+    assert "S1" in s.table.prefixes
+    s.add("t2", HEAD + prompt(6, 2), greedy(3), session="S2", user="u")
+    step(s, r)
+    assert s.by_key["t2"].reused == len(HEAD)
+    assert "S1" in s.table.prefixes  # lent, not taken
+    s.add("t3", HEAD + prompt(6, 3), greedy(3), session="S3", user="v")  # another user, no public prefix
+    step(s, r)
+    assert s.by_key["t3"].reused == 0
+    run(s, r)
+
+
 def test_slot_table_rejects_bad_pools() -> None:
     with pytest.raises(ValueError):
         SlotTable([(4, 64), (2, 16)])
@@ -432,6 +519,8 @@ pool_sets = st.sampled_from(
     budget=st.integers(1, 64),
     max_running=st.integers(1, 6),
     reuse=st.booleans(),
+    share=st.sampled_from([0, 1, 4]),
+    head=st.integers(0, 24),
 )
 def test_random_workloads_keep_every_invariant(
     evs: list[tuple[str, int, int, int]],
@@ -439,8 +528,21 @@ def test_random_workloads_keep_every_invariant(
     budget: int,
     max_running: int,
     reuse: bool,
+    share: int,
+    head: int,
 ) -> None:
-    s, r = make(pools, max_running=max_running, prefill_tokens=budget, max_waiting=1000, reuse=reuse)
+    # Requests without a session start with the same ``head`` tokens, half of them public, and come from
+    # four users: KV copied between sequences (share > 0) must be exactly the tokens the fake runner checks.
+    common = prompt(head, 77)
+    s, r = make(
+        pools,
+        max_running=max_running,
+        prefill_tokens=budget,
+        max_waiting=1000,
+        reuse=reuse,
+        share=share,
+        public=common[: head // 2],
+    )
     prompts: dict[str, list[int]] = {}
     max_tokens: dict[str, int] = {}
     cancelled: set[str] = set()
@@ -457,9 +559,10 @@ def test_random_workloads_keep_every_invariant(
             key = f"r{i}"
             session = c  # 0: no session
             base = history.get(session, []) if session else []
-            p = (base + prompt(a, i))[-90:]  # a session's next turn extends its history
+            # a session's next turn extends its history; the others start alike
+            p = (base + prompt(a, i))[-90:] if session else common + prompt(a, i)
             prompts[key], max_tokens[key] = p, b
-            s.add(key, p, greedy(b), session=f"S{session}" if session else "")
+            s.add(key, p, greedy(b), session=f"S{session}" if session else "", user=f"u{(a + b) % 4}")
             if session:
                 history[session] = p + reference(p, b)
         elif kind == "cancel":

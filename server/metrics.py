@@ -13,7 +13,17 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest, make_wsgi_app
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    make_wsgi_app,
+)
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -98,6 +108,32 @@ REDIS_RTT = Histogram(
 )
 KV_USAGE = Gauge("tokenwire_kv_cache_usage_ratio", "share of the engine's KV-cache budget in use")
 REQUEUED = Counter("tokenwire_requests_requeued_total", "requests re-queued from workers whose lease lapsed")
+
+
+class _PromptReuse(Collector):
+    """tokenwire_prompt_tokens_reused_total{source}: prompt tokens this process's engine did not feed,
+    their KV taken over from the session's cached prefix ("session") or copied from another sequence's
+    prompt start ("shared"). The engine keeps the counts; they are read when scraped."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], dict[str, int]] | None = None
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        read = self.read
+        if read is None:
+            return
+        family = CounterMetricFamily(
+            "tokenwire_prompt_tokens_reused",
+            "prompt tokens not fed to the model, their KV reused, by source (session, shared)",
+            labels=["source"],
+        )
+        for source, n in sorted(read().items()):
+            family.add_metric([source], n)
+        yield family
+
+
+PROMPT_REUSE = _PromptReuse()
+REGISTRY.register(PROMPT_REUSE)
 
 
 def render() -> tuple[bytes, str]:

@@ -169,8 +169,10 @@ class BatchingEngine(ThreadedEngine):
         if one_copy:
             self.runner.weights, freed = llama.release_model_linears(loaded.model, self.runner.weights)
             log.info("engine.weights_released", mb=freed >> 20)
+        self._public_prefix = public_prefix(loaded)
         self.sched = self._new_scheduler()
         self._lock = threading.Lock()
+        self._reused_before = (0, 0)  # (session, shared) counts of schedulers replaced after a failure
         self._inbox_submits = 0  # submitted, not yet taken by the engine thread
         self._sched_waiting = 0  # new requests waiting in the scheduler (engine thread's view)
         self.steps = 0
@@ -191,7 +193,7 @@ class BatchingEngine(ThreadedEngine):
             fair=c.fair,
             borrow_rows=max(1, c.max_running // 8),  # a light user's chat runs at once, the batch 1/8 over
             share_min_tokens=c.share_min_tokens,
-            public_prefix=public_prefix(self.m),
+            public_prefix=self._public_prefix,
         )
         return Scheduler(cfg, self.m.decode)
 
@@ -232,6 +234,14 @@ class BatchingEngine(ThreadedEngine):
     def kv_usage(self) -> float:
         """Share of the KV cache in use after the last step (the tokenwire_kv_cache_usage_ratio gauge)."""
         return self._kv_usage
+
+    def prompt_tokens_reused(self) -> dict[str, int]:
+        """Prompt tokens not fed since start, by where their KV came from: the session's cached prefix or
+        another sequence's prompt start (tokenwire_prompt_tokens_reused_total; any thread)."""
+        with self._lock:
+            session, shared = self._reused_before
+            sched = self.sched
+            return {"session": session + sched.reused_tokens, "shared": shared + sched.shared_tokens}
 
     def _after_step(self) -> None:
         with self._lock:
@@ -274,7 +284,11 @@ class BatchingEngine(ThreadedEngine):
         outs = [
             error_output(s.key, s.offset, "internal", f"engine error: {exc}") for s in self.sched.finish_all()
         ]
-        self.sched = self._new_scheduler()  # the slot table may be half-updated: start clean
+        fresh = self._new_scheduler()  # the slot table may be half-updated: start clean
+        with self._lock:  # the reuse counts carry over, never seen twice or going back
+            session, shared = self._reused_before
+            self._reused_before = (session + self.sched.reused_tokens, shared + self.sched.shared_tokens)
+            self.sched = fresh
         return outs
 
     def _intake(self, req: GenerationRequest, outs: list[StepOutput]) -> None:

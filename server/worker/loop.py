@@ -176,6 +176,9 @@ class Worker:
         kv_usage = getattr(self.engine, "kv_usage", None)
         if callable(kv_usage):
             metrics.KV_USAGE.set_function(kv_usage)
+        reused = getattr(self.engine, "prompt_tokens_reused", None)
+        if callable(reused):
+            metrics.PROMPT_REUSE.read = reused
         self._room.set()
         await self._heartbeat()  # hold a lease before taking any work
         # One take loop per partition of the work queue (keys.py): a blocking read may not span two hash

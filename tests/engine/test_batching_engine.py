@@ -248,3 +248,40 @@ def test_kv_usage_reports_the_slots_held_each_step(tiny: LoadedModel) -> None:
     assert seen[-1][1] == e.sched.table.usage() and 0 < held < total
     e.sched.table.drop_prefix(e.sched.table.prefixes["s1"])
     assert e.sched.table.usage() == 0.0
+
+
+def test_prompt_tokens_reused_are_counted_by_source_and_scraped(tiny: LoadedModel) -> None:
+    """tokenwire_prompt_tokens_reused_total{source}: a session's next turn counts under "session", a
+    prompt that starts like a running one's (the same user) under "shared"; the worker's collector reads
+    the engine's counts when scraped."""
+    from server import metrics
+
+    e = engine(tiny)
+    c = Collector()
+    e.start(c)
+    text = "The quick brown fox jumps over the lazy dog, then naps under the old oak tree."
+    p = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    try:
+        assert e.prompt_tokens_reused() == {"session": 0, "shared": 0}
+        e.submit(GenerationRequest("a", msg(text), p, session="s1", user="u"))
+        while not any(o.key == "a" for o in c.calls.get(timeout=60)):
+            pass  # a's first token: its prompt is in its slot
+        e.submit(GenerationRequest("b", msg(text + " Why?"), p, user="u"))
+        c.until_done({"a", "b"})
+        shared = e.prompt_tokens_reused()["shared"]
+        a, b = e.m.encode_chat(msg(text)), e.m.encode_chat(msg(text + " Why?"))
+        assert shared == next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y) > 8
+        first_turn = [*msg(text), {"role": "assistant", "content": "ok"}]
+        e.submit(GenerationRequest("a2", [*first_turn, *msg("More?")], p, session="s1", user="u"))
+        c.until_done({"a2"})
+        counts = e.prompt_tokens_reused()
+    finally:
+        e.stop()
+    assert counts["shared"] == shared and counts["session"] > 0
+    metrics.PROMPT_REUSE.read = e.prompt_tokens_reused
+    try:
+        text_out = metrics.render()[0].decode()
+    finally:
+        metrics.PROMPT_REUSE.read = None
+    assert f'tokenwire_prompt_tokens_reused_total{{source="shared"}} {float(shared)}' in text_out
+    assert f'tokenwire_prompt_tokens_reused_total{{source="session"}} {float(counts["session"])}' in text_out

@@ -23,6 +23,13 @@ __all__ = [
 ]
 
 
+# The owner of every HTTP request made without a bearer token while auth is off: many callers, one name.
+ANONYMOUS_HTTP_OWNER = "http:anonymous"
+# Owners that stand for many callers (none given, or every keyless HTTP caller): the engine treats their
+# requests as strangers to each other, sharing only the public prefix of their prompts (scheduler.py).
+POOLED_OWNERS = frozenset({"", ANONYMOUS_HTTP_OWNER})
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS

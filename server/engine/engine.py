@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from server.engine import llama
-from server.engine.api import Engine, EngineOverloaded, GenerationRequest, StepOutput
+from server.engine.api import POOLED_OWNERS, Engine, EngineOverloaded, GenerationRequest, StepOutput
 from server.engine.model import LoadedModel
 from server.engine.profile import StepProfile
 from server.engine.prompt import PromptTooLarge, checked_ids
@@ -194,6 +194,7 @@ class BatchingEngine(ThreadedEngine):
             borrow_rows=max(1, c.max_running // 8),  # a light user's chat runs at once, the batch 1/8 over
             share_min_tokens=c.share_min_tokens,
             public_prefix=self._public_prefix,
+            pooled_users=POOLED_OWNERS,
         )
         return Scheduler(cfg, self.m.decode)
 

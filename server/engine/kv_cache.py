@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 SlotRef = tuple[int, int]  # (pool, slot)
@@ -62,6 +62,7 @@ class CachedPrefix:
     slot: SlotRef | None = None
     kv_len: int = 0
     user: str = ""  # whose turn it was: its KV is shared past the public prefix with that user only
+    blocks: list[int] = field(default_factory=list)  # chained block hashes of ``ids`` (scheduler._blocks)
 
 
 @dataclass(slots=True)

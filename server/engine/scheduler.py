@@ -60,6 +60,7 @@ class Seq:
     admitted: bool = False  # admitted at least once (a preempted sequence is not new work)
     preemptions: int = 0
     reused: int = 0  # prompt tokens whose KV came from a cache at its last admission (session or shared)
+    blocks: list[int] = field(default_factory=list)  # chained hashes of its tokens' whole blocks (_blocks)
 
     @property
     def completion_len(self) -> int:
@@ -112,6 +113,8 @@ class SchedulerConfig:
     # prompt. One user's own requests share any common prefix.
     share_min_tokens: int = 0
     public_prefix: tuple[int, ...] = ()
+    # Owners that stand for many callers (api.POOLED_OWNERS): strangers even to each other.
+    pooled_users: frozenset[str] = frozenset({""})
     fair: bool = True  # token-weighted fair queueing across users; False: strict arrival order (FIFO)
     borrow_rows: int = 4  # fair share: rows past max_running a user under their share may take at once
 
@@ -363,17 +366,23 @@ class Scheduler:
             return
         cap = len(seq.tokens) - 1  # its last token is always fed: its logits are the first draw
         public = _common_prefix(self.cfg.public_prefix, seq.tokens, cap)
-        best, src = self.cfg.share_min_tokens - 1, None
+        own = seq.user not in self.cfg.pooled_users  # one caller: its requests share with each other
+        best, src, found = self.cfg.share_min_tokens - 1, None, None
         donors: list[Seq | CachedPrefix] = [*self.running, *self.table.prefixes.values()]
         for d in donors:
             if d is seq or d.slot is None or d.kv_len <= best:
                 continue
-            limit = min(d.kv_len, cap if d.user == seq.user else public)
+            limit = min(d.kv_len, cap if own and d.user == seq.user else public)
             if limit <= best:
                 continue
-            n = _common_prefix(d.tokens if isinstance(d, Seq) else d.ids, seq.tokens, limit)
+            tokens = d.tokens if isinstance(d, Seq) else d.ids
+            n = _shared_len(tokens, d.blocks, seq.tokens, seq.blocks, limit)
             if n > best:
-                best, src = n, d.slot
+                best, src, found = n, d.slot, tokens
+        # The block hashes found it; the tokens decide (a hash collision must not copy another's KV).
+        if found is not None and found[:best] != seq.tokens[:best]:
+            best = _common_prefix(found, seq.tokens, best)
+            src = src if best >= self.cfg.share_min_tokens else None
         if src is not None:
             self.table.share(src, seq, best)
             seq.reused = best
@@ -488,6 +497,38 @@ def _dec(counts: dict[str, int], user: str) -> None:
         counts[user] = n
     else:
         del counts[user]
+
+
+BLOCK = 64  # tokens per block hash (_blocks)
+
+
+def _blocks(tokens: Sequence[int], memo: list[int], n: int) -> list[int]:
+    """Chained hashes of the first ``n`` whole blocks of ``tokens`` (block i's hash covers blocks 0..i),
+    kept in ``memo``: a holder's tokens only grow at the end, so a whole block's hash never changes and
+    each is computed once in the holder's life."""
+    while len(memo) < n:
+        i = len(memo)
+        memo.append(hash((memo[-1] if memo else 0, *tokens[i * BLOCK : (i + 1) * BLOCK])))
+    return memo
+
+
+def _shared_len(a: Sequence[int], a_memo: list[int], b: Sequence[int], b_memo: list[int], cap: int) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common, at most ``cap``: a binary search over
+    their chained block hashes (equal at block i means equal up to it), then the tokens of one block.
+    A scan of every holder token by token took 1,315 ms for one step admitting 20 sequences among 256
+    running ones of one user, all starting with the same 7,000 tokens; this, 35 ms (a few hashes and at
+    most a block per holder; /tmp script, 2-core EPYC, 2026-12-06)."""
+    lo, hi = 0, cap // BLOCK  # lo: whole blocks known equal
+    ha, hb = _blocks(a, a_memo, hi), _blocks(b, b_memo, hi)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ha[mid - 1] == hb[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    start = lo * BLOCK
+    end = min(cap, start + BLOCK)
+    return start + _common_prefix(a[start:end], b[start:end], end - start)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:

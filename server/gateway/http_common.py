@@ -23,6 +23,7 @@ import structlog
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
 from protocol.frames import MAX_MODEL_CHARS
+from server.engine.api import ANONYMOUS_HTTP_OWNER
 from server.gateway.admission import Ask, ConnectionLimits, Grant, Kind
 from server.gateway.auth import authenticate_user
 from server.gateway.core import GatewayCore
@@ -183,7 +184,7 @@ def caller_of(authorization: str, secret: str | None) -> Caller:
         assert user is not None
         return Caller(owner=user, user=user, weight=weight)
     if not bearer:
-        return Caller(owner="http:anonymous", user=None)
+        return Caller(owner=ANONYMOUS_HTTP_OWNER, user=None)
     return Caller(owner="http:" + hashlib.sha256(bearer.encode()).hexdigest()[:32], user=None)
 
 

@@ -81,7 +81,7 @@ def drive(
     for step in range(10_000):
         for r in reqs:
             if r.join == step:
-                sched.add(r.key, r.prompt, r.params, session=r.session)
+                sched.add(r.key, r.prompt, r.params, session=r.session, user="u")
         if not sched.has_work():
             if all(r.join < step for r in reqs):
                 break

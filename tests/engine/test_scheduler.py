@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.engine.api import SamplingParams, StepOutput
+from server.engine.api import POOLED_OWNERS, SamplingParams, StepOutput
 from server.engine.kv_cache import Move, SlotTable, Swap
 from server.engine.scheduler import Batch, QueueFull, Scheduler, SchedulerConfig
 
@@ -89,6 +89,7 @@ def make(
         prefix_reuse=reuse,
         share_min_tokens=share,
         public_prefix=tuple(public),
+        pooled_users=POOLED_OWNERS,  # as the engine has it
     )
     now = clock if clock is not None else [0.0]
     return Scheduler(cfg, fake_decode, clock=lambda: now[0]), FakeRunner(pools)
@@ -457,6 +458,44 @@ def test_across_users_only_the_public_prefix_is_shared() -> None:
         run_into(outs, s, r)
         check_stream(outs["b"], reference(HEAD + prompt(7, 2), 8))
         check_stream(outs["c"], reference(HEAD + prompt(7, 3), 8))
+
+
+def test_pooled_owners_are_strangers_even_to_each_other() -> None:
+    """Every keyless HTTP caller is one owner (api.ANONYMOUS_HTTP_OWNER), and so is a request with none:
+    their prompts share only the public prefix, as another user's would."""
+    for user in sorted(POOLED_OWNERS):
+        s, r = make(((4, 128),), prefill_tokens=256, share=8, public=HEAD[:10])
+        s.add("a", HEAD + prompt(10, 1), greedy(30), user=user)
+        step(s, r)
+        s.add("b", HEAD + prompt(7, 2), greedy(8), user=user)
+        step(s, r)
+        assert s.by_key["b"].reused == 10, user
+        run(s, r)
+
+
+def test_long_shared_starts_are_found_by_block_and_checked_token_by_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Starts longer than a block (scheduler.BLOCK) are matched by chained block hashes; the length is
+    exact to the token, and a hash collision (forced here: every block hashes alike) copies nothing the
+    tokens do not confirm."""
+    from server.engine import scheduler as sched_mod
+
+    base = prompt(3 * sched_mod.BLOCK + 40, 9)
+    cut = 2 * sched_mod.BLOCK + 17  # b parts from a inside a's third block
+    a = [*base, *prompt(5, 1)]
+    b = [*base[:cut], (base[cut] % (VOCAB - 1)) + 1, *base[cut + 1 :]]
+    for collide in (False, True):
+        if collide:
+            monkeypatch.setattr(sched_mod, "hash", lambda _: 7, raising=False)
+        s, r = make(((4, 512),), prefill_tokens=512, share=8)
+        s.add("a", a, greedy(20), user="u")
+        step(s, r)
+        s.add("b", b, greedy(8), user="u")
+        step(s, r)  # the fake runner checks b's slot holds b's own tokens before it feeds
+        assert s.by_key["b"].reused == cut, collide
+        outs = run(s, r)
+        assert [t for o in outs["b"] for t in o.token_ids] == reference(b, 8)[1:]
 
 
 def test_nothing_is_copied_from_a_prompt_not_yet_fed_nor_past_the_last_token() -> None:

@@ -49,6 +49,7 @@ class ServeConfig:
     threads: int | None = None  # torch CPU threads for the engine (None: torch's default)
     scheduling: str = "fair"  # engine admission: "fair" (token-weighted fair queueing per user) or "fifo"
     kv_budget_mb: int | None = None  # the engine's KV cache memory (None: its default for the device)
+    prompt_sharing: str = "public"  # which sequences copy each other's prompt starts (engine.PROMPT_SHARING)
     session_secret: str | None = None
     max_running: int = 64
     log_flush_ms: float = 0.0  # the worker writes token logs at most this often (0: every step)
@@ -273,6 +274,7 @@ def load_engine(
     dtype: str = "auto",
     scheduling: str = "fair",
     kv_budget_mb: int | None = None,
+    prompt_sharing: str = "public",
 ) -> tuple[Any, Any]:
     """Load the model and build its engine (the one place that picks the engine implementation):
     ``(loaded model, engine not yet started)``. Blocking: seconds. The work runs in a thread that ends,
@@ -283,7 +285,9 @@ def load_engine(
 
     def load() -> tuple[Any, Any]:
         loaded = load_model(model, device=device, dtype=dtype)
-        overrides = {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {}
+        overrides: dict[str, Any] = {"prompt_sharing": prompt_sharing}
+        if kv_budget_mb:
+            overrides["kv_budget_mb"] = kv_budget_mb
         # Batching for Llama-family models, SimpleEngine for the rest. Serving keeps one copy of the
         # weights.
         engine = engine_for(loaded, fair=scheduling != "fifo", one_copy=True, **overrides)
@@ -309,6 +313,7 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles, index: int = 0) -> Any
             dtype=cfg.dtype,
             scheduling=cfg.scheduling,
             kv_budget_mb=cfg.kv_budget_mb,
+            prompt_sharing=cfg.prompt_sharing,
         ),
     )
     loaded.name = name

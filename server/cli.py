@@ -184,6 +184,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         threads=getattr(args, "threads", None),
         scheduling=getattr(args, "scheduling", "fair"),
         kv_budget_mb=getattr(args, "kv_budget_mb", None),
+        prompt_sharing=getattr(args, "prompt_sharing", "public"),
         drain_timeout_s=getattr(args, "drain_timeout", 10.0),
         log_flush_ms=getattr(args, "log_flush_ms", 0.0),
         session_secret=os.environ.get("TOKENWIRE_SESSION_SECRET") or None,
@@ -283,6 +284,22 @@ def _load(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["eval"]:
+        from server.eval.cli import main as evaluate
+
+        return evaluate(raw[1:])
+    if raw[:1] == ["capacity"]:
+        from server.load.capacity import main as capacity
+
+        return capacity(raw[1:])
+    args = build_parser().parse_args(argv)
+    rc: int = args.func(args)
+    return rc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's options (``eval`` and ``capacity`` parse their own: listed here, parsed there)."""
     p = argparse.ArgumentParser(prog="tokenwire", description="WebSocket chat server for LLMs")
     p.add_argument("--version", action="version", version=f"tokenwire {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -490,6 +507,16 @@ def main(argv: list[str] | None = None) -> int:
             "half the free GPU memory, at most 32 GiB). Fewer MiB, fewer sequences at once",
         )
         p.add_argument(
+            "--prompt-sharing",
+            choices=("public", "tenant", "off"),
+            default="public",
+            help="which requests may reuse each other's prompt start (its KV copied, not computed again): "
+            "public (default): across users only the chat template's own opening, any common start "
+            "within one user's requests; tenant: any common start across users too, for a deployment "
+            "whose callers are one tenant (one caller can then time whether another's prompt starts like "
+            "theirs); off: none",
+        )
+        p.add_argument(
             "--drain-timeout",
             type=float,
             default=10.0,
@@ -552,6 +579,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     k.add_argument("--data-dir", help="embedded Valkey data (default $TOKENWIRE_DATA or ./.tokenwire)")
     k.add_argument("--key-prefix", default="tw:", help="prefix of every Redis key")
+    k.add_argument(
+        "--prompt-sharing",
+        choices=("public", "tenant", "off"),
+        default="public",
+        help="the workers' --prompt-sharing (see tokenwire worker --help)",
+    )
     k.add_argument(
         "--model",
         action="append",
@@ -628,19 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         help="score sampling settings on about 40 checked prompts with the real model; choose the defaults",
         add_help=False,
     )
-
-    raw = sys.argv[1:] if argv is None else argv
-    if raw[:1] == ["eval"]:
-        from server.eval.cli import main as evaluate
-
-        return evaluate(raw[1:])
-    if raw[:1] == ["capacity"]:
-        from server.load.capacity import main as capacity
-
-        return capacity(raw[1:])
-    args = p.parse_args(argv)
-    rc: int = args.func(args)
-    return rc
+    return p
 
 
 if __name__ == "__main__":

@@ -116,6 +116,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         for i in range(args.workers):
             wargs = ["worker", *common, "--name", f"worker-{i}", "--threads", str(args.threads_per_worker)]
             wargs += ["--log-flush-ms", str(getattr(args, "log_flush_ms", 0.0))]
+            wargs += ["--prompt-sharing", getattr(args, "prompt_sharing", "public")]
             for spec in args.model or ():
                 wargs += ["--model", spec]
             procs[f"worker-{i}"] = proc = _spawn(f"worker-{i}", wargs, url, log_format)

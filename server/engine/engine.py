@@ -40,6 +40,7 @@ class EngineConfig:
     # Leading prompt tokens whose KV a new sequence copies from another that holds them, when at least
     # this many (0: off; SchedulerConfig.share_min_tokens): a copy costs far less than feeding 8 tokens.
     share_min_tokens: int = 8
+    share_across_users: bool = False  # any common start across users, not only the public prefix
 
 
 def engine_for(loaded: LoadedModel, **overrides: Any) -> Engine:
@@ -68,6 +69,13 @@ def default_pools(
     return ((n_short, short_len), (n_long, max_context))
 
 
+# Which sequences may copy each other's prompt starts (``--prompt-sharing``; scheduler._share_prefix):
+# "public": across users only the chat template's own opening, any common start within one user's
+# requests; "tenant": any common start across users too (every caller one tenant: a caller can time
+# whether another's prompt starts like theirs); "off": none (a session's own prefix is still reused).
+PROMPT_SHARING = ("public", "tenant", "off")
+
+
 def cpu_kv_budget_mb() -> int:
     """The default KV budget on CPU: 1 GiB, or an eighth of the machine's memory when that is less (a
     2 GiB machine gets 256 MiB), so the default fits small machines. ``--kv-budget-mb`` overrides it."""
@@ -90,8 +98,12 @@ def default_config(
     max_waiting: int = 256,
     prefix_reuse: bool = True,
     fair: bool = True,
+    prompt_sharing: str = "public",
 ) -> EngineConfig:
-    """Sizes for this model and device; any argument given overrides its default."""
+    """Sizes for this model and device; any argument given overrides its default. ``prompt_sharing``
+    (PROMPT_SHARING): which sequences may copy each other's prompt starts."""
+    if prompt_sharing not in PROMPT_SHARING:
+        raise ValueError(f"prompt sharing {prompt_sharing!r}: one of {', '.join(PROMPT_SHARING)}")
     cuda = str(loaded.device).startswith("cuda")
     model_ctx = int(getattr(loaded.model.config, "max_position_embeddings", 2048))
     running = max_running or (256 if cuda else 32)
@@ -117,6 +129,8 @@ def default_config(
         max_waiting=max_waiting,
         prefix_reuse=prefix_reuse,
         fair=fair,
+        share_min_tokens=0 if prompt_sharing == "off" else 8,
+        share_across_users=prompt_sharing == "tenant",
     )
 
 
@@ -195,6 +209,7 @@ class BatchingEngine(ThreadedEngine):
             share_min_tokens=c.share_min_tokens,
             public_prefix=self._public_prefix,
             pooled_users=POOLED_OWNERS,
+            share_across_users=c.share_across_users,
         )
         return Scheduler(cfg, self.m.decode)
 

@@ -115,6 +115,8 @@ class SchedulerConfig:
     public_prefix: tuple[int, ...] = ()
     # Owners that stand for many callers (api.POOLED_OWNERS): strangers even to each other.
     pooled_users: frozenset[str] = frozenset({""})
+    # Every caller one tenant (``--prompt-sharing tenant``): any common start is shared across users.
+    share_across_users: bool = False
     fair: bool = True  # token-weighted fair queueing across users; False: strict arrival order (FIFO)
     borrow_rows: int = 4  # fair share: rows past max_running a user under their share may take at once
 
@@ -367,12 +369,13 @@ class Scheduler:
         cap = len(seq.tokens) - 1  # its last token is always fed: its logits are the first draw
         public = _common_prefix(self.cfg.public_prefix, seq.tokens, cap)
         own = seq.user not in self.cfg.pooled_users  # one caller: its requests share with each other
+        tenant = self.cfg.share_across_users
         best, src, found = self.cfg.share_min_tokens - 1, None, None
         donors: list[Seq | CachedPrefix] = [*self.running, *self.table.prefixes.values()]
         for d in donors:
             if d is seq or d.slot is None or d.kv_len <= best:
                 continue
-            limit = min(d.kv_len, cap if own and d.user == seq.user else public)
+            limit = min(d.kv_len, cap if tenant or (own and d.user == seq.user) else public)
             if limit <= best:
                 continue
             tokens = d.tokens if isinstance(d, Seq) else d.ids

@@ -29,3 +29,26 @@ def test_kv_budget_flag_sizes_the_engines_cache(tiny_model_dir: Path) -> None:
         redis_url=None, key_prefix="tw:", lease_ttl=10.0, kv_budget_mb=8, log_level="info", command="serve"
     )
     assert _config(args).kv_budget_mb == 8
+
+
+def test_prompt_sharing_flag_reaches_the_scheduler(tiny_model_dir: Path) -> None:
+    """``--prompt-sharing public|tenant|off`` (serve, worker; cluster passes it to its workers)."""
+    import pytest
+
+    from server.cli import build_parser
+    from server.engine.engine import default_config
+
+    seen = {}
+    for mode in ("public", "tenant", "off"):
+        args = build_parser().parse_args(["serve", "--prompt-sharing", mode])
+        cfg = _config(args)
+        assert cfg.prompt_sharing == mode
+        engine = load_engine(str(tiny_model_dir), device="cpu", prompt_sharing=cfg.prompt_sharing)[1]
+        sched = engine.sched.cfg
+        seen[mode] = (sched.share_min_tokens > 0, sched.share_across_users)
+    assert seen == {"public": (True, False), "tenant": (True, True), "off": (False, False)}
+    assert build_parser().parse_args(["worker", "--redis-url", "redis://x"]).prompt_sharing == "public"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--prompt-sharing", "everyone"])
+    with pytest.raises(ValueError, match="prompt sharing"):
+        default_config(load_engine(str(tiny_model_dir), device="cpu")[0], prompt_sharing="everyone")

@@ -78,6 +78,7 @@ def make(
     clock: list[float] | None = None,
     share: int = 0,
     public: Sequence[int] = (),
+    tenant: bool = False,
 ) -> tuple[Scheduler, FakeRunner]:
     cfg = SchedulerConfig(
         pools=tuple(pools),
@@ -90,6 +91,7 @@ def make(
         share_min_tokens=share,
         public_prefix=tuple(public),
         pooled_users=POOLED_OWNERS,  # as the engine has it
+        share_across_users=tenant,
     )
     now = clock if clock is not None else [0.0]
     return Scheduler(cfg, fake_decode, clock=lambda: now[0]), FakeRunner(pools)
@@ -458,6 +460,18 @@ def test_across_users_only_the_public_prefix_is_shared() -> None:
         run_into(outs, s, r)
         check_stream(outs["b"], reference(HEAD + prompt(7, 2), 8))
         check_stream(outs["c"], reference(HEAD + prompt(7, 3), 8))
+
+
+def test_one_tenant_shares_any_common_start_across_users() -> None:
+    """``--prompt-sharing tenant``: every caller one tenant, so bob copies all alice's prompt holds."""
+    for user in ("bob", *sorted(POOLED_OWNERS)):
+        s, r = make(((4, 128),), prefill_tokens=256, share=8, public=HEAD[:10], tenant=True)
+        s.add("a", HEAD + prompt(10, 1), greedy(30), user="alice")
+        step(s, r)
+        s.add("b", HEAD + prompt(7, 2), greedy(8), user=user)
+        step(s, r)
+        assert s.by_key["b"].reused == len(HEAD), user
+        run(s, r)
 
 
 def test_pooled_owners_are_strangers_even_to_each_other() -> None:

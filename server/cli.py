@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server import __version__
+from server.engine.api import PROMPT_SHARING
 from server.logs import FORMATS
 
 if TYPE_CHECKING:
@@ -508,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--prompt-sharing",
-            choices=("public", "tenant", "off"),
+            choices=PROMPT_SHARING,
             default="public",
             help="which requests may reuse each other's prompt start (its KV copied, not computed again): "
             "public (default): across users only the chat template's own opening, any common start "
@@ -581,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--key-prefix", default="tw:", help="prefix of every Redis key")
     k.add_argument(
         "--prompt-sharing",
-        choices=("public", "tenant", "off"),
+        choices=PROMPT_SHARING,
         default="public",
         help="the workers' --prompt-sharing (see tokenwire worker --help)",
     )

@@ -14,7 +14,14 @@ import structlog
 import torch
 
 from server.engine import llama
-from server.engine.api import POOLED_OWNERS, Engine, EngineOverloaded, GenerationRequest, StepOutput
+from server.engine.api import (
+    POOLED_OWNERS,
+    PROMPT_SHARING,
+    Engine,
+    EngineOverloaded,
+    GenerationRequest,
+    StepOutput,
+)
 from server.engine.model import LoadedModel
 from server.engine.profile import StepProfile
 from server.engine.prompt import PromptTooLarge, checked_ids
@@ -67,13 +74,6 @@ def default_pools(
     n_long = max(1, min(max(1, max_running // 4), tokens // 4 // max_context))
     n_short = max(1, min(2 * max_running, (tokens - n_long * max_context) // short_len))
     return ((n_short, short_len), (n_long, max_context))
-
-
-# Which sequences may copy each other's prompt starts (``--prompt-sharing``; scheduler._share_prefix):
-# "public": across users only the chat template's own opening, any common start within one user's
-# requests; "tenant": any common start across users too (every caller one tenant: a caller can time
-# whether another's prompt starts like theirs); "off": none (a session's own prefix is still reused).
-PROMPT_SHARING = ("public", "tenant", "off")
 
 
 def cpu_kv_budget_mb() -> int:

@@ -23,6 +23,10 @@ DEFAULT_TOP_P = 0.9
 DEFAULT_REPETITION_PENALTY = 1.0  # off
 DEFAULT_FREQUENCY_PENALTY = 0.3
 
+# The owner of every HTTP request made without a bearer token while auth is off: many callers, one name
+# (the gateway names it; the engine shares no prompt start between its requests: engine/api.POOLED_OWNERS).
+ANONYMOUS_HTTP_OWNER = "http:anonymous"
+
 
 def sampling_defaults() -> dict[str, float | int]:
     """The defaults as ``params`` keys (SPEC 4.2)."""

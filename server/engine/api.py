@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from server.defaults import (  # one set of defaults for every door (server/defaults.py)
+    ANONYMOUS_HTTP_OWNER,
     DEFAULT_FREQUENCY_PENALTY,
     DEFAULT_MAX_TOKENS,
     DEFAULT_REPETITION_PENALTY,
@@ -23,8 +24,6 @@ __all__ = [
 ]
 
 
-# The owner of every HTTP request made without a bearer token while auth is off: many callers, one name.
-ANONYMOUS_HTTP_OWNER = "http:anonymous"
 # Owners that stand for many callers (none given, or every keyless HTTP caller): the engine treats their
 # requests as strangers to each other, sharing only the public prefix of their prompts (scheduler.py).
 POOLED_OWNERS = frozenset({"", ANONYMOUS_HTTP_OWNER})

@@ -15,7 +15,6 @@ import torch
 
 from server.engine import llama
 from server.engine.api import (
-    POOLED_OWNERS,
     PROMPT_SHARING,
     Engine,
     EngineOverloaded,
@@ -26,7 +25,7 @@ from server.engine.model import LoadedModel
 from server.engine.profile import StepProfile
 from server.engine.prompt import PromptTooLarge, checked_ids
 from server.engine.runner import Runner, kv_bytes_per_token
-from server.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from server.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, common_prefix
 from server.engine.threaded import ThreadedEngine, error_output
 
 log = structlog.get_logger(__name__)
@@ -144,10 +143,7 @@ def public_prefix(loaded: LoadedModel) -> tuple[int, ...]:
     except Exception as exc:  # a tokenizer without a chat template: nothing is shared across users
         log.warning("engine.no_public_prefix", error=repr(exc))
         return ()
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return tuple(a[:n])
+    return tuple(a[: common_prefix(a, b, len(a))])
 
 
 class BatchingEngine(ThreadedEngine):
@@ -208,7 +204,6 @@ class BatchingEngine(ThreadedEngine):
             borrow_rows=max(1, c.max_running // 8),  # a light user's chat runs at once, the batch 1/8 over
             share_min_tokens=c.share_min_tokens,
             public_prefix=self._public_prefix,
-            pooled_users=POOLED_OWNERS,
             share_across_users=c.share_across_users,
         )
         return Scheduler(cfg, self.m.decode)

@@ -14,7 +14,7 @@ from server.engine import llama
 from server.engine.kv_cache import Move, Op, Swap
 from server.engine.penalties import apply_penalties
 from server.engine.profile import Lap, no_lap
-from server.engine.sampling import sample
+from server.engine.sampling import sample, take_rows
 from server.engine.scheduler import Batch, Work
 
 
@@ -98,7 +98,7 @@ class Runner:
             greedy = [i for i, p in enumerate(params) if p.temperature <= 0.0]
             if greedy:
                 g = apply_penalties(
-                    _rows(logits, greedy),
+                    take_rows(logits, greedy),
                     [params[i] for i in greedy],
                     [seqs[i].tokens for i in greedy],
                     [seqs[i].n_prompt for i in greedy],
@@ -108,7 +108,7 @@ class Runner:
             rest = [i for i, p in enumerate(params) if p.temperature > 0.0]
         if rest:
             host = apply_penalties(
-                _rows(logits, rest).cpu(),
+                take_rows(logits, rest).cpu(),
                 [params[i] for i in rest],
                 [seqs[i].tokens for i in rest],
                 [seqs[i].n_prompt for i in rest],
@@ -194,13 +194,6 @@ class Runner:
             prefill=prefill,
             logits_at=torch.tensor(logits_at, dtype=torch.long, device=dev),
         )
-
-
-def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """Rows ``rows`` of ``t`` in order: ``t`` itself when they are all of them (no copy)."""
-    if len(rows) == t.shape[0]:
-        return t
-    return t.index_select(0, torch.tensor(rows, dtype=torch.long, device=t.device))
 
 
 def _slot(w: Work) -> tuple[int, int]:

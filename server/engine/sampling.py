@@ -61,8 +61,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
     if greedy_rows:
         # Every row greedy (the common case of a greedy batch): no copy of the [B, V] logits first,
         # which took as long as the argmax itself (~0.6 ms at 32 rows of SmolLM2's vocabulary).
-        all_greedy = len(greedy_rows) == logits.shape[0]
-        picks = (logits if all_greedy else logits[greedy_rows]).argmax(dim=-1).tolist()
+        picks = take_rows(logits, greedy_rows).argmax(dim=-1).tolist()
         for i, t in zip(greedy_rows, picks, strict=True):
             out[i] = int(t)
     rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
@@ -72,7 +71,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
     temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
     # Every row's distribution over the whole vocabulary, in one fused pass: softmax took 0.5 ms for 32
     # rows of SmolLM2's vocabulary on a 2-core EPYC where the logsumexp and the exp it replaces took 3.6.
-    probs = torch.softmax(_take(logits, rows) / temps[:, None], dim=-1)  # [R, V]
+    probs = torch.softmax(take_rows(logits, rows) / temps[:, None], dim=-1)  # [R, V]
     top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows])
     top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)
     uniform = torch.tensor([token_uniform(params[i].seed, offsets[i]) for i in rows], dtype=torch.float32)
@@ -81,7 +80,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
         # Nothing is cut from these rows, so the order of the vocabulary does not matter: inverse CDF over
         # it as it is, with no sort.
         w = whole.nonzero().squeeze(1)
-        pick = _inverse_cdf(_take(probs, w), uniform[w])
+        pick = _inverse_cdf(take_rows(probs, w), uniform[w])
         for r, t in zip(w.tolist(), pick.tolist(), strict=True):
             out[rows[r]] = int(t)
     pending = (~whole).nonzero().squeeze(1)
@@ -89,7 +88,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
     for size in sizes:
         if len(pending) == 0:
             break
-        p_probs = _take(probs, pending)
+        p_probs = take_rows(probs, pending)
         if size is None:
             need = _nucleus_bound(p_probs, top_p[pending])
             k = int(torch.where(top_k[pending] < vocab, top_k[pending], need).max())
@@ -124,12 +123,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
     return out
 
 
-def _take(t: torch.Tensor, rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
+def take_rows(t: torch.Tensor, rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` (in order) of ``t``: ``t`` itself when they are all of its rows, as in most steps,
-    since indexing copies ([32, 49,152] float32 rows by a Python list took 1.5 ms)."""
+    since indexing copies ([32, 49,152] float32 rows by a Python list took 1.5 ms). On ``t``'s device."""
     if len(rows) == t.shape[0]:
         return t
-    index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long)
+    index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long, device=t.device)
     return t.index_select(0, index)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from server.engine.api import SamplingParams, StepOutput
+from server.engine.api import POOLED_OWNERS, SamplingParams, StepOutput
 from server.engine.detok import Detokenizer
 from server.engine.fairness import ServiceCounters
 from server.engine.kv_cache import CachedPrefix, Op, SlotRef, SlotTable
@@ -114,7 +114,7 @@ class SchedulerConfig:
     share_min_tokens: int = 0
     public_prefix: tuple[int, ...] = ()
     # Owners that stand for many callers (api.POOLED_OWNERS): strangers even to each other.
-    pooled_users: frozenset[str] = frozenset({""})
+    pooled_users: frozenset[str] = POOLED_OWNERS
     # Every caller one tenant (``--prompt-sharing tenant``): any common start is shared across users.
     share_across_users: bool = False
     fair: bool = True  # token-weighted fair queueing across users; False: strict arrival order (FIFO)
@@ -331,7 +331,9 @@ class Scheduler:
         seq.state = State.DONE
         keep = None
         if seq.session and seq.kv_len > 0:
-            keep = CachedPrefix(seq.session, seq.tokens[: seq.kv_len], user=seq.user)
+            # Its ids are the sequence's first kv_len tokens: their whole blocks' hashes carry over.
+            ids = seq.tokens[: seq.kv_len]
+            keep = CachedPrefix(seq.session, ids, user=seq.user, blocks=seq.blocks[: seq.kv_len // BLOCK])
         self.table.release(seq, keep)
 
     def _admit(self, seq: Seq) -> bool:
@@ -341,7 +343,7 @@ class Scheduler:
         pools = range(first, self.table.n_pools())
         prefix = self.table.take_prefix(seq.session)
         if prefix is not None and prefix.slot is not None:
-            shared = _common_prefix(prefix.ids, seq.tokens, len(seq.tokens) - 1)
+            shared = common_prefix(prefix.ids, seq.tokens, len(seq.tokens) - 1)
             if shared > 0:
                 own = prefix.slot[0]
                 target = own if own >= first else next((t for t in pools if self.table.can_acquire(t)), None)
@@ -367,7 +369,7 @@ class Scheduler:
         if self.cfg.share_min_tokens <= 0:
             return
         cap = len(seq.tokens) - 1  # its last token is always fed: its logits are the first draw
-        public = _common_prefix(self.cfg.public_prefix, seq.tokens, cap)
+        public = common_prefix(self.cfg.public_prefix, seq.tokens, cap)
         own = seq.user not in self.cfg.pooled_users  # one caller: its requests share with each other
         tenant = self.cfg.share_across_users
         best, src, found = self.cfg.share_min_tokens - 1, None, None
@@ -384,7 +386,7 @@ class Scheduler:
                 best, src, found = n, d.slot, tokens
         # The block hashes found it; the tokens decide (a hash collision must not copy another's KV).
         if found is not None and found[:best] != seq.tokens[:best]:
-            best = _common_prefix(found, seq.tokens, best)
+            best = common_prefix(found, seq.tokens, best)
             src = src if best >= self.cfg.share_min_tokens else None
         if src is not None:
             self.table.share(src, seq, best)
@@ -531,10 +533,10 @@ def _shared_len(a: Sequence[int], a_memo: list[int], b: Sequence[int], b_memo: l
             hi = mid - 1
     start = lo * BLOCK
     end = min(cap, start + BLOCK)
-    return start + _common_prefix(a[start:end], b[start:end], end - start)
+    return start + common_prefix(a[start:end], b[start:end], end - start)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
     n = min(len(a), len(b), cap)
     i = 0
     while i < n and a[i] == b[i]:

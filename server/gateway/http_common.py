@@ -23,7 +23,7 @@ import structlog
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
 from protocol.frames import MAX_MODEL_CHARS
-from server.engine.api import ANONYMOUS_HTTP_OWNER
+from server.defaults import ANONYMOUS_HTTP_OWNER
 from server.gateway.admission import Ask, ConnectionLimits, Grant, Kind
 from server.gateway.auth import authenticate_user
 from server.gateway.core import GatewayCore

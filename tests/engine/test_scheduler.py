@@ -90,7 +90,6 @@ def make(
         prefix_reuse=reuse,
         share_min_tokens=share,
         public_prefix=tuple(public),
-        pooled_users=POOLED_OWNERS,  # as the engine has it
         share_across_users=tenant,
     )
     now = clock if clock is not None else [0.0]

@@ -529,9 +529,14 @@ class Delta:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, those whose computation the server reused (SPEC §4)
 
     def to_wire(self) -> Wire:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -630,6 +635,8 @@ def _parse_done(r: Mapping[str, Any]) -> Done:
         usage=Usage(
             _offset(u.get("prompt_tokens"), "done.usage.prompt_tokens", None),
             _offset(u.get("completion_tokens"), "done.usage.completion_tokens", None),
+            # Added in a minor revision: a server that predates it sends none.
+            _offset(u.get("cached_tokens", 0), "done.usage.cached_tokens", None),
         ),
     )
 

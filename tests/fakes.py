@@ -70,7 +70,10 @@ class FakeEngine(ThreadedEngine):
             # The word's index is its token id: logged like a real engine's ids, so a request re-queued
             # after its worker died or shed it continues after its logged tokens (resume_ids) instead of
             # regenerating them over its own log, which the store refuses once steps merge differently.
-            out = StepOutput(key, o, 1, text, (o,), finish=finish, prompt_tokens=len(run.req.messages))
+            # A prompt token per message; every message before the last counts as reused (as a real
+            # engine's earlier session turns would), so usage.cached_tokens reaches every door.
+            n = len(run.req.messages)
+            out = StepOutput(key, o, 1, text, (o,), finish=finish, prompt_tokens=n, cached_tokens=n - 1)
             outs.append(out)
             run.offset += 1
             if finish:

@@ -307,7 +307,7 @@ export class TokenwireClient extends Emitter {
       if (!req.everSent && !req.accepted) {
         // The server never saw it: nothing to stop there. (A request attached by resume() or restore()
         // is the server's even before this client sent anything: its cancel goes out with the resume.)
-        this.#end(req, { finish_reason: "cancelled", offset: 0, usage: { prompt_tokens: 0, completion_tokens: 0 } });
+        this.#end(req, { finish_reason: "cancelled", offset: 0, usage: { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 } });
         return;
       }
     }

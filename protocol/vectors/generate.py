@@ -174,6 +174,7 @@ def server_frames() -> list[tuple[str, ServerFrame]]:
     ]
     frames += [
         ("done_zero_tokens", Done(id="req-2", finish_reason="stop", offset=0, usage=Usage(0, 0))),
+        ("done_cached_tokens", Done(id="req-3", finish_reason="stop", offset=4, usage=Usage(31, 4, 24))),
         ("error", Error(code="bad_frame", message="content: expected a string, got number")),
         ("error_with_id", Error(code="not_found", message="no request req-9", id="req-9")),
         (

@@ -74,6 +74,9 @@ class StepOutput:
     ``n`` may be 0 (nothing new this step, only a finish). ``finish`` is set on the request's last output:
     "stop" (EOS or a stop string), "length" (max_tokens), "error" (with ``error_code``/``error_message``).
     Cancelled requests produce no output: whoever cancelled has already ended the log.
+    ``cached_tokens`` is how many of the ``prompt_tokens`` were not computed for this request: their KV
+    was copied from its session's cached prefix or another sequence's prompt start (OpenAI's
+    ``cached_tokens``; 0 from engines that reuse nothing).
     """
 
     key: str
@@ -83,6 +86,7 @@ class StepOutput:
     token_ids: tuple[int, ...] = ()
     finish: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     error_code: str = ""
     error_message: str = ""
 

@@ -60,6 +60,7 @@ class Seq:
     admitted: bool = False  # admitted at least once (a preempted sequence is not new work)
     preemptions: int = 0
     reused: int = 0  # prompt tokens whose KV came from a cache at its last admission (session or shared)
+    cached: int = 0  # prompt tokens whose KV came from a cache at its first admission (usage.cached_tokens)
     blocks: list[int] = field(default_factory=list)  # chained hashes of its tokens' whole blocks (_blocks)
 
     @property
@@ -259,6 +260,9 @@ class Scheduler:
             seq.state = State.RUNNING
             if not seq.admitted:
                 seq.admitted = True
+                # What the caller is told was cached: a preempted sequence computes its prompt again
+                # on readmission, but the first admission is what its usage reports (as OpenAI's does).
+                seq.cached = min(seq.reused, seq.n_prompt)
                 admitted.append(seq)
                 self._admit_times.append(self.clock())
                 self.service.charge_input(seq.user, len(seq.tokens) - seq.kv_len)
@@ -323,6 +327,7 @@ class Scheduler:
             token_ids=tuple(seq.tokens[first : first + n]),
             finish=finish,
             prompt_tokens=seq.n_prompt,
+            cached_tokens=seq.cached,
         )
 
     def _finish(self, seq: Seq) -> None:

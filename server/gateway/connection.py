@@ -460,6 +460,10 @@ class Connection:
                 id=id,
                 finish_reason=end.finish or "error",
                 offset=end.offset,
-                usage=Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.offset),
+                usage=Usage(
+                    prompt_tokens=end.prompt_tokens,
+                    completion_tokens=end.offset,
+                    cached_tokens=end.cached_tokens,
+                ),
             )
         )

@@ -390,11 +390,14 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(end: LogEntry) -> dict[str, Any]:
+    """A chat completion's usage from its log's end entry (``cached_tokens``: of the prompt tokens, those
+    the engine reused)."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": end.prompt_tokens,
+        "completion_tokens": end.offset,
+        "total_tokens": end.prompt_tokens + end.offset,
+        "prompt_tokens_details": {"cached_tokens": end.cached_tokens},
     }
 
 

@@ -190,7 +190,7 @@ class ChatCompletions:
                         "logprobs": None,
                     }
                 ],
-                "usage": usage(end.prompt_tokens, end.offset),
+                "usage": usage(end),
             }
         )
 
@@ -239,7 +239,7 @@ class ChatCompletions:
                                     "created": created,
                                     "model": model,
                                     "choices": [],
-                                    "usage": usage(end.prompt_tokens, end.offset),
+                                    "usage": usage(end),
                                 }
                             )
                     else:

@@ -78,7 +78,14 @@ class Responses:
         if status == "failed":
             error = error_of(view.error_code, view.error_message)
         return response_object(
-            rid, view.payload, status, view.text, info.prompt_tokens, info.completion_tokens, error
+            rid,
+            view.payload,
+            status,
+            view.text,
+            info.prompt_tokens,
+            info.completion_tokens,
+            error,
+            cached_tokens=info.cached_tokens,
         )
 
     async def retrieve(self, req: HttpRequest, caller: Caller, args: dict[str, str]) -> HttpResponse:

@@ -105,10 +105,12 @@ def response_object(
     completion_tokens: int = 0,
     error: dict[str, str] | None = None,
     *,
+    cached_tokens: int = 0,
     message: bool = True,
 ) -> dict[str, Any]:
     """The response object in OpenAI's shape; ``message``: whether it has an output message at all (a
-    warm-up, ``generate: false``, has none)."""
+    warm-up, ``generate: false``, has none); ``cached_tokens``: of the prompt tokens, those the engine
+    reused (``usage.input_tokens_details.cached_tokens``)."""
     final = status in ("completed", "incomplete", "failed", "cancelled")
     output = []
     if message and (text or (final and status != "failed")):
@@ -141,7 +143,7 @@ def response_object(
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "usage": {
             "input_tokens": prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + completion_tokens,
@@ -239,7 +241,15 @@ class ResponseEvents:
         total = end.offset
         if end.finish in ("stop", "length"):
             status = "incomplete" if end.finish == "length" else "completed"
-            final = response_object(self.rid, self.payload, status, full, end.prompt_tokens, total)
+            final = response_object(
+                self.rid,
+                self.payload,
+                status,
+                full,
+                end.prompt_tokens,
+                total,
+                cached_tokens=end.cached_tokens,
+            )
             part = {"type": "output_text", "text": full, "annotations": [], "logprobs": []}
             at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
             events = [
@@ -251,6 +261,15 @@ class ResponseEvents:
         else:
             status = "cancelled" if end.finish == "cancelled" else "failed"
             error = error_of(end.error_code, end.error_message) if status == "failed" else None
-            final = response_object(self.rid, self.payload, status, full, end.prompt_tokens, total, error)
+            final = response_object(
+                self.rid,
+                self.payload,
+                status,
+                full,
+                end.prompt_tokens,
+                total,
+                error,
+                cached_tokens=end.cached_tokens,
+            )
             events = [self._ev("response.failed", closing_seq(total, 0), response=final)]
         return events[self.at.closing :]

@@ -58,6 +58,7 @@ class LogEntry:
     text: str
     finish: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the engine reused (the end entry's "ct")
     error_code: str = ""
     error_message: str = ""
 
@@ -71,6 +72,7 @@ class LogEntry:
                 text="",
                 finish=d["d"],
                 prompt_tokens=int(d.get("pt") or 0),
+                cached_tokens=int(d.get("ct") or 0),
                 error_code=d.get("e", ""),
                 error_message=d.get("m", ""),
             )

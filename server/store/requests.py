@@ -59,7 +59,16 @@ def _s(v: Any) -> str:
 
 
 # The request hash's fields that make a RequestInfo, in the order _info reads them.
-_INFO_FIELDS = ("state", "epoch", "completion_tokens", "prompt_tokens", "finish_reason", "session", "model")
+_INFO_FIELDS = (
+    "state",
+    "epoch",
+    "completion_tokens",
+    "prompt_tokens",
+    "finish_reason",
+    "session",
+    "model",
+    "cached_tokens",
+)
 
 
 def _info(owner: str, id: str, f: list[Any]) -> RequestInfo:
@@ -74,6 +83,7 @@ def _info(owner: str, id: str, f: list[Any]) -> RequestInfo:
         finish_reason=_s(f[4]) if f[4] is not None else None,
         session=_s(f[5] or b""),
         model=_s(f[6] or b""),
+        cached_tokens=int(f[7] or 0),
     )
 
 
@@ -116,6 +126,7 @@ class RequestInfo:
     finish_reason: str | None
     session: str
     model: str = ""  # the model that serves it ("" for requests made before models had names)
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV the engine reused (set when it finished)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +189,7 @@ class StepOp:
     prompt_tokens: int
     token_ids: tuple[int, ...] = ()
     finish: str | None = None
+    cached_tokens: int = 0  # of prompt_tokens, those not computed (written with the end)
     reply_text: str = ""
     error_code: str = ""
     error_message: str = ""
@@ -598,6 +610,7 @@ class RequestStore:
                         min(st.refused_ttl_ms, st.retention_ms),
                         tombstone_payload(op.item.payload) if refused else "",
                         st.history_max_bytes,
+                        op.cached_tokens,
                     ],
                 )
             )

@@ -510,6 +510,7 @@ class Worker:
                         n=o.n,
                         text=o.text,
                         prompt_tokens=o.prompt_tokens,
+                        cached_tokens=o.cached_tokens,
                         token_ids=o.token_ids,
                         finish=o.finish,
                         reply_text="".join(reply) if o.finish else "",

@@ -253,7 +253,8 @@ def test_kv_usage_reports_the_slots_held_each_step(tiny: LoadedModel) -> None:
 def test_prompt_tokens_reused_are_counted_by_source_and_scraped(tiny: LoadedModel) -> None:
     """tokenwire_prompt_tokens_reused_total{source}: a session's next turn counts under "session", a
     prompt that starts like a running one's (the same user) under "shared"; the worker's collector reads
-    the engine's counts when scraped."""
+    the engine's counts when scraped. Each request's outputs carry its own count as ``cached_tokens``
+    (the usage a client is shown)."""
     from server import metrics
 
     e = engine(tiny)
@@ -267,17 +268,21 @@ def test_prompt_tokens_reused_are_counted_by_source_and_scraped(tiny: LoadedMode
         while not any(o.key == "a" for o in c.calls.get(timeout=60)):
             pass  # a's first token: its prompt is in its slot
         e.submit(GenerationRequest("b", msg(text + " Why?"), p, user="u"))
-        c.until_done({"a", "b"})
+        first = c.until_done({"a", "b"})
         shared = e.prompt_tokens_reused()["shared"]
         a, b = e.m.encode_chat(msg(text)), e.m.encode_chat(msg(text + " Why?"))
         assert shared == next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y) > 8
         first_turn = [*msg(text), {"role": "assistant", "content": "ok"}]
         e.submit(GenerationRequest("a2", [*first_turn, *msg("More?")], p, session="s1", user="u"))
-        c.until_done({"a2"})
+        second = c.until_done({"a2"})
         counts = e.prompt_tokens_reused()
     finally:
         e.stop()
     assert counts["shared"] == shared and counts["session"] > 0
+    assert {o.cached_tokens for o in first["a"]} == {0}
+    assert {o.cached_tokens for o in first["b"]} == {shared}
+    assert {o.cached_tokens for o in second["a2"]} == {counts["session"]}
+    assert all(o.cached_tokens < o.prompt_tokens for o in second["a2"])
     metrics.PROMPT_REUSE.read = e.prompt_tokens_reused
     try:
         text_out = metrics.render()[0].decode()

@@ -441,8 +441,32 @@ def test_a_new_request_copies_the_kv_of_the_prompt_start_a_running_one_holds() -
     run_into(outs, s, r)
     check_stream(outs["b"], reference(b, 8))
     assert s.shared_tokens == len(HEAD)
+    assert {o.cached_tokens for o in outs["b"]} == {len(HEAD)}  # its usage: HEAD was not computed for it
+    assert {o.cached_tokens for o in outs["a"]} == {0}
     # b fed its prompt less HEAD, then 7 tokens; a its 29 tokens after the first
     assert r.fed - fed_before == len(b) - len(HEAD) + 7 + 29
+
+
+def test_cached_tokens_report_the_first_admission_not_a_readmission() -> None:
+    """A preempted sequence computed its whole prompt when first admitted: what it copies on readmission
+    (here a finished session turn's prompt start, kept by then) changes its timing, not the usage its
+    client is shown."""
+    pools = ((4, 16), (1, 64))
+    s, r = make(pools, prefill_tokens=64, share=8)
+    s.add("old", HEAD[:10] + prompt(2, 1), greedy(20), user="u")
+    s.add("new", HEAD[:10] + prompt(2, 2), greedy(20), user="u")  # same step: old's KV not there yet
+    outs: dict[str, list[StepOutput]] = {}
+    step_into(outs, s, r)
+    s.add("kept", HEAD[:10] + prompt(1, 3), greedy(2), user="u", session="S")
+    while s.preemptions == 0 or "S" not in s.table.prefixes:
+        step_into(outs, s, r)
+    while s.by_key["new"].slot is None:
+        step_into(outs, s, r)
+    assert s.by_key["new"].reused >= 10  # readmitted with old's prompt start copied
+    run_into(outs, s, r)
+    check_stream(outs["new"], reference(HEAD[:10] + prompt(2, 2), 20))
+    assert {o.cached_tokens for o in outs["new"]} == {0}
+    assert {o.prompt_tokens for o in outs["new"]} == {12}
 
 
 def test_across_users_only_the_public_prefix_is_shared() -> None:

@@ -84,6 +84,7 @@ async def test_chat_completion_non_streaming(server: Running) -> None:
     assert r.choices[0].message.content == "re[1] hello there s3 w0"
     assert r.choices[0].finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 5 and r.usage.prompt_tokens == 1
+    assert r.usage.prompt_tokens_details is not None and r.usage.prompt_tokens_details.cached_tokens == 0
 
 
 async def test_chat_completion_streaming_with_usage(server: Running) -> None:
@@ -104,6 +105,9 @@ async def test_chat_completion_streaming_with_usage(server: Running) -> None:
     assert text == "re[2] a b s4" + "".join(f" w{k}" for k in range(8))
     assert finish == "stop"
     assert usage is not None and usage.completion_tokens == 12
+    # The fake engine counts the system message as reused: the SDK reads it where OpenAI puts it.
+    assert usage.prompt_tokens == 2 and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 1
 
 
 async def test_same_idempotency_key_attaches_to_one_generation(server: Running) -> None:
@@ -237,7 +241,9 @@ async def test_background_response_cut_mid_stream_resumes_exactly(server: Runnin
     server.engine.reply_len = 40
     server.engine.step_s = 0.01
     client = sdk(server)
-    r = await client.responses.create(model="default", input="tell me", background=True, max_output_tokens=30)
+    r = await client.responses.create(
+        model="default", instructions="be brief", input="tell me", background=True, max_output_tokens=30
+    )
     assert r.status in ("queued", "in_progress") and r.background
     events = await client.responses.retrieve(r.id, stream=True)
     seen, last_seq = "", 0
@@ -257,8 +263,11 @@ async def test_background_response_cut_mid_stream_resumes_exactly(server: Runnin
             final = ev.response
     assert final is not None and final.status == "incomplete"
     assert seen + rest == final.output_text
+    # The fake engine counts the instructions' message as reused: in the event and in the stored object.
+    assert final.usage is not None and final.usage.input_tokens_details.cached_tokens == 1
     done = await client.responses.retrieve(r.id)
     assert done.output_text == seen + rest and done.usage is not None and done.usage.output_tokens == 30
+    assert (done.usage.input_tokens, done.usage.input_tokens_details.cached_tokens) == (2, 1)
     assert server.engine.requests_started == 1
 
 

@@ -34,6 +34,12 @@ async def test_chat_streams_contiguous_deltas_then_done(server: Running, subprot
     assert done.offset == sum(d.n for d in deltas) == 12
     assert text.startswith("re[1] hello there")
     assert done.usage.completion_tokens == 12 and done.usage.prompt_tokens == 1
+    assert done.usage.cached_tokens == 0
+    # With an earlier message, the fake engine counts it as reused: done.usage.cached_tokens says so.
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    _, _, done, errors = await collect(c.chat(messages=messages, id="r2"))
+    assert errors == [] and done is not None
+    assert (done.usage.prompt_tokens, done.usage.cached_tokens) == (2, 1)
     await c.close()
 
 

@@ -13,11 +13,13 @@ from protocol import (
     Chat,
     ClientFrame,
     CloseCode,
+    Done,
     Error,
     ErrorCode,
     Hello,
     ProtocolError,
     ServerFrame,
+    Usage,
     codec_for,
     parse_client_frame,
     parse_server_frame,
@@ -200,3 +202,16 @@ def test_invalid_vector_is_refused_by_the_parser(vector: dict[str, Any]) -> None
         parse_client_frame(codec.decode(_data(vector)))
     assert info.value.code == vector["expected_code"]
     assert info.value.id == vector["expect_id"]
+
+
+def test_done_without_cached_tokens_reads_as_zero() -> None:
+    """A server before cached_tokens sends usage without it (SPEC §4: a receiver reads 0); a present one
+    must be a non-negative integer like the other counts."""
+    done = {"type": "done", "id": "r", "finish_reason": "stop", "offset": 2}
+    frame = parse_server_frame({**done, "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+    assert isinstance(frame, Done) and frame.usage == Usage(5, 2, 0)
+    for bad in (-1, "3", 1.5, None, True):
+        with pytest.raises(ProtocolError, match=r"done\.usage\.cached_tokens"):
+            parse_server_frame(
+                {**done, "usage": {"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": bad}}
+            )

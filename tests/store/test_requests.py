@@ -10,7 +10,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from server.store.keys import Keys
-from server.store.logs import LogReader
+from server.store.logs import LogEntry, LogReader
 from server.store.requests import RequestStore, Settings, StepOp
 
 PAYLOAD = {
@@ -86,13 +86,14 @@ async def test_lifecycle_log_and_history(redis: aioredis.Redis, keys: Keys) -> N
     # A worker that does not hold the request cannot write.
     assert await store.write_step([StepOp(item, 3, 1, "x", 5)], "intruder") == [False]
     done = await store.write_step(
-        [StepOp(item, 3, 1, " Bye", 5, finish="stop", reply_text="Hello! Bye")], "w1"
+        [StepOp(item, 3, 1, " Bye", 5, finish="stop", reply_text="Hello! Bye", cached_tokens=2)], "w1"
     )
     assert done == [True]
 
     entries = await redis.xrange(item.log_key)
     assert [e[0] for e in entries] == [b"0-1", b"1-1", b"3-1", b"4-2"]
     assert entries[-1][1][b"d"] == b"stop" and entries[-1][1][b"o"] == b"4"
+    assert LogEntry.parse(entries[-1][1]).cached_tokens == 2  # the end entry carries the usage
     info = await store.get("u1", "r1")
     assert info is not None
     assert (info.state, info.completion_tokens, info.prompt_tokens, info.finish_reason) == (
@@ -101,6 +102,9 @@ async def test_lifecycle_log_and_history(redis: aioredis.Redis, keys: Keys) -> N
         5,
         "stop",
     )
+    assert info.cached_tokens == 2
+    view = await store.view("u1", "r1")
+    assert view is not None and view.info.cached_tokens == 2
     history = await redis.lrange(keys.history("s1", "u1"), 0, -1)
     assert [json.loads(h) for h in history] == [
         {"role": "user", "content": "hi"},
@@ -312,12 +316,20 @@ async def test_one_step_spans_partitions_and_a_shared_cache_entry_crosses_slots(
     for o in owners:
         info = await store.get(o, "r")
         assert info is not None and (info.state, info.completion_tokens) == ("done", 2)
+        assert info.cached_tokens == 0
+        end = LogEntry.parse((await redis.xrange(keys.log(o, "r")))[-1][1])
+        assert (end.prompt_tokens, end.cached_tokens) == (3, 0)
     # The cache entry written after u0's finish answers another owner at once, without a worker.
     hit = await store.submit(
         "v", "r", "fp", {**PAYLOAD, "owner": "v"}, cache_key="same-question", shared_cache=True
     )
     assert (hit.outcome, hit.state) == ("cached", "done")
     assert [e[1][b"t"] for e in await redis.xrange(keys.log("v", "r")) if b"t" in e[1]] == [b"ok"]
+    # Nothing was computed for it: its whole prompt counts as cached.
+    end = LogEntry.parse((await redis.xrange(keys.log("v", "r")))[-1][1])
+    assert (end.finish, end.prompt_tokens, end.cached_tokens) == ("stop", 3, 3)
+    info = await store.get("v", "r")
+    assert info is not None and (info.prompt_tokens, info.cached_tokens) == (3, 3)
 
 
 async def test_a_reader_following_many_logs_pauses_so_that_writes_gather(

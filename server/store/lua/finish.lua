@@ -6,7 +6,8 @@
 -- ARGV: 1 worker id, 2 finish reason (stop|length|error), 3 prompt tokens, 4 reply text,
 --       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms,
 --       10 the tombstone's ttl_ms, 11 the payload a tombstone keeps (JSON, without the prompt; "" when the
---       caller saw tokens generated), 12 history max bytes (history.lua's append_turn)
+--       caller saw tokens generated), 12 history max bytes (history.lua's append_turn), 13 cached prompt
+--       tokens (of ARGV[3], those the engine reused; written only when not 0, to keep the end entry short)
 -- A request that fails with no token logged (refused: too_large, overloaded, ...) and ARGV[11] given is
 -- kept as a tombstone only: what a retry needs (state, error, fingerprint, owner, the slim payload, the
 -- log's end entry), both expiring after ARGV[10]; the prompt, the user message and the cache key go now.
@@ -35,9 +36,14 @@ local total = tonumber(logged)
 local reason = ARGV[2]
 local state = 'done'
 if reason == 'error' then state = 'failed' end
+local cached = tonumber(ARGV[13] or '0') or 0
 redis.call('HSET', req, 'state', state, 'finish_reason', reason, 'prompt_tokens', ARGV[3],
-  'updated_ms', now, 'finished_ms', now, 'error_code', ARGV[6], 'completion_tokens', total)
+  'updated_ms', now, 'finished_ms', now, 'error_code', ARGV[6], 'completion_tokens', total,
+  'cached_tokens', cached)
 local entry = {'d', reason, 'o', total, 'pt', ARGV[3]}
+if cached > 0 then
+  table.insert(entry, 'ct'); table.insert(entry, cached)
+end
 if ARGV[6] ~= '' then
   table.insert(entry, 'e'); table.insert(entry, ARGV[6])
   table.insert(entry, 'm'); table.insert(entry, ARGV[7])

@@ -61,12 +61,14 @@ if ARGV[18] ~= '' then
       total = e[1] + e[2]
       table.insert(reply, e[3])
     end
-    redis.call('XADD', KEYS[6], total .. '-2', 'd', c.d, 'o', total, 'pt', c.pt)
+    -- Nothing was computed for this answer: every prompt token counts as cached (usage.cached_tokens).
+    redis.call('XADD', KEYS[6], total .. '-2', 'd', c.d, 'o', total, 'pt', c.pt, 'ct', c.pt)
     redis.call('HSET', req,
       'owner', ARGV[1], 'id', ARGV[2], 'fp', ARGV[3], 'payload', ARGV[4],
       'epoch', 1, 'state', 'done', 'finish_reason', c.d, 'created_ms', now, 'updated_ms', now,
       'finished_ms', now, 'session', ARGV[5], 'user_msg', ARGV[6], 'completion_tokens', total,
-      'prompt_tokens', c.pt, 'cached', 1, 'model', ARGV[20] or '', 'route', ARGV[21] or '')
+      'prompt_tokens', c.pt, 'cached_tokens', c.pt, 'cached', 1, 'model', ARGV[20] or '',
+      'route', ARGV[21] or '')
     redis.call('PEXPIRE', req, ARGV[11])
     redis.call('PEXPIRE', KEYS[6], ARGV[11])
     if ARGV[6] ~= '' then

@@ -43,6 +43,11 @@ class QueueFull(Exception):
         self.retry_after_ms = retry_after_ms
 
 
+# The cached-prefix name of a finished turn that had no session: never a session id (those are printable),
+# so take_prefix never hands it out; only _share_prefix copies from it.
+_SESSIONLESS = "\0turn:"
+
+
 @dataclass(eq=False, slots=True)
 class Seq:
     key: str
@@ -335,11 +340,23 @@ class Scheduler:
         self.by_key.pop(seq.key, None)
         seq.state = State.DONE
         keep = None
-        if seq.session and seq.kv_len > 0:
+        # A session's turn is kept for its next turn. A turn without one (the HTTP doors send the whole
+        # conversation each time) is kept too where another request could copy its start: the same
+        # caller's next turn, by _share_prefix. Either way it holds a slot nobody runs in, the first
+        # to go (LRU) when a running sequence needs one.
+        name = seq.session or (_SESSIONLESS + seq.key if self._may_share_past_public(seq.user) else "")
+        if name and seq.kv_len > 0:
             # Its ids are the sequence's first kv_len tokens: their whole blocks' hashes carry over.
             ids = seq.tokens[: seq.kv_len]
-            keep = CachedPrefix(seq.session, ids, user=seq.user, blocks=seq.blocks[: seq.kv_len // BLOCK])
+            keep = CachedPrefix(name, ids, user=seq.user, blocks=seq.blocks[: seq.kv_len // BLOCK])
         self.table.release(seq, keep)
+
+    def _may_share_past_public(self, user: str) -> bool:
+        """Whether a prompt start of ``user``'s can be copied past the public prefix by anyone (their own
+        requests, or everyone's in one tenant): only then is a finished sessionless turn worth keeping."""
+        if self.cfg.share_min_tokens <= 0:
+            return False
+        return self.cfg.share_across_users or user not in self.cfg.pooled_users
 
     def _admit(self, seq: Seq) -> bool:
         """Give the head of the queue a slot, reusing its session's cached prefix when it matches."""

@@ -469,6 +469,31 @@ def test_cached_tokens_report_the_first_admission_not_a_readmission() -> None:
     assert {o.prompt_tokens for o in outs["new"]} == {12}
 
 
+def test_a_finished_turn_without_a_session_is_kept_for_its_callers_next_turn() -> None:
+    """The HTTP doors send the whole conversation every turn and have no session: a finished turn is
+    kept all the same, and the same caller's next turn (its prompt starts with the whole previous turn)
+    copies it. A pooled owner's turn is not kept (nobody could copy more than the public prefix), nor
+    any with sharing off; a stranger copies only the public prefix from it."""
+    first = HEAD + prompt(6, 1)
+    for user, share, kept in (("u", 8, True), (sorted(POOLED_OWNERS)[0], 8, False), ("u", 0, False)):
+        s, r = make(((4, 128),), prefill_tokens=256, share=share, public=HEAD[:4])
+        s.add("t1", first, greedy(10), user=user)
+        outs = run(s, r)
+        assert bool(s.table.prefixes) == kept, (user, share)
+        reply = [t for o in outs["t1"] for t in o.token_ids]
+        second = [*first, *reply, *prompt(5, 2)]
+        s.add("t2", second, greedy(6), user=user)
+        s.add("other", [*first, *prompt(3, 3)], greedy(6), user="stranger")
+        step_into(outs, s, r)
+        # The last token of t1's reply was sampled, never fed: the kept KV ends one before it.
+        expected = len(first) + len(reply) - 1 if kept else 0
+        assert s.by_key["t2"].reused == expected, (user, share)
+        assert s.by_key["other"].reused == 0  # HEAD[:4] is below the 8-token minimum
+        run_into(outs, s, r)
+        check_stream(outs["t2"], reference(second, 6))
+        assert {o.cached_tokens for o in outs["t2"]} == {expected}
+
+
 def test_across_users_only_the_public_prefix_is_shared() -> None:
     for public, expected in ((HEAD[:12], 12), (HEAD[:5], 0), ((), 0), ([*HEAD, 1, 2], len(HEAD))):
         s, r = make(((4, 128),), prefill_tokens=256, share=8, public=public)

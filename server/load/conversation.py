@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from websockets.exceptions import WebSocketException
 
-from protocol import Accepted, Chat, Delta, Done, Error, Params, ProtocolError, Resume, ResumePoint
+from protocol import Accepted, Chat, Delta, Done, Error, Message, Params, ProtocolError, Resume, ResumePoint
 from server.load.connection import LoadClient, ServerError
 from server.load.integrity import StreamCheck, Violation, replay_and_compare
 
@@ -95,6 +95,17 @@ def prompt_text(rng: random.Random, words: int, turn: int) -> str:
     return " ".join([head, *(rng.choice(WORDS) for _ in range(n))])
 
 
+def system_prompt(cfg: LoadConfig) -> str:
+    """The run's fixed system prompt of ``--system-words`` words ("" for none): one app's own prompt, the
+    same for every user and conversation of a run (seeded by ``--seed`` alone)."""
+    if cfg.system_words <= 0:
+        return ""
+    rng = random.Random(f"system-{cfg.seed}")
+    head = "You are the assistant of a travel app. Answer briefly and kindly, and follow these notes:"
+    n = max(0, cfg.system_words - len(head.split()))
+    return " ".join([head, *(rng.choice(WORDS) for _ in range(n))])
+
+
 @dataclass(slots=True)
 class RequestRecord:
     """What the client saw of one request. Times are seconds since the run's start."""
@@ -112,6 +123,7 @@ class RequestRecord:
     done_at: float | None = None
     tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the server reports it did not compute (usage)
     finish_reason: str | None = None
     error_code: str | None = None
     kills: int = 0
@@ -204,6 +216,10 @@ class Conversation:
         self.rng = conversation_rng(cfg.seed, user, conversation)
         self.client: LoadClient | None = None
         self.session_token: str | None = None
+        # With --system-words the conversation is sent whole (messages mode), this its history so far;
+        # otherwise each turn is content only and the server keeps the session's history.
+        self.system = system_prompt(cfg)
+        self.history: list[Message] = [Message("system", self.system)] if self.system else []
 
     async def run(self) -> None:
         """Run the turns while the run hands out tickets; stop at the first failed request."""
@@ -252,6 +268,11 @@ class Conversation:
         chat, rec = draw_request(
             self.state.cfg, self.rng, self.state.tag, self.user, self.conversation, turn, self.subprotocol
         )
+        if self.system:
+            assert chat.content is not None
+            chat = Chat(
+                id=chat.id, messages=(*self.history, Message("user", chat.content)), params=chat.params
+            )
         return rec, _Live(chat=chat, check=StreamCheck(chat.id), kill_at=rec.kill_at)
 
     async def _request(self, turn: int) -> RequestRecord:
@@ -259,6 +280,8 @@ class Conversation:
         try:
             async with asyncio.timeout(self.state.cfg.request_timeout):
                 await self._until_done(rec, live)
+                if self.system and live.chat.messages is not None:
+                    self.history = [*live.chat.messages, Message("assistant", live.check.text)]
                 if rec.finish_reason is not None and self._wants_replay(rec):
                     await self._replay(live.check)
                     rec.verified = True
@@ -356,6 +379,7 @@ class Conversation:
                 rec.done_at = now
                 rec.tokens = frame.offset
                 rec.prompt_tokens = frame.usage.prompt_tokens
+                rec.cached_tokens = frame.usage.cached_tokens
                 rec.finish_reason = frame.finish_reason
                 if frame.finish_reason == "error":
                     rec.error_code = live.pending_error or "finish_error"

@@ -18,7 +18,7 @@ from typing import Any
 
 from server.engine.api import EngineOverloaded, GenerationRequest, StepOutput
 from server.engine.prompt import PromptTooLarge
-from server.load.conversation import RequestRecord, conversation_rng, draw_request
+from server.load.conversation import RequestRecord, conversation_rng, draw_request, system_prompt
 from server.load.runner import LoadResult, RunState, drive
 from server.worker.loop import params_from_payload
 
@@ -65,6 +65,7 @@ class EngineDriver:
             if o.finish is not None:
                 rec.done_at = now
                 rec.prompt_tokens = o.prompt_tokens
+                rec.cached_tokens = o.cached_tokens
                 rec.finish_reason = o.finish
                 if o.finish == "error":
                     rec.error_code = o.error_code or "finish_error"
@@ -99,7 +100,8 @@ async def _conversation(driver: EngineDriver, user: int, conversation: int) -> N
     cfg = st.cfg
     rng = conversation_rng(cfg.seed, user, conversation)
     session = f"{st.tag}-{user}-{conversation}"
-    history: list[dict[str, str]] = []
+    system = system_prompt(cfg)
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     for turn in range(cfg.turns):
         if turn and cfg.think > 0:
             await asyncio.sleep(rng.expovariate(1.0 / cfg.think))

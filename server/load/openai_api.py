@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import h11
 
-from server.load.conversation import RequestRecord, conversation_rng, draw_request
+from server.load.conversation import RequestRecord, conversation_rng, draw_request, system_prompt
 from server.load.runner import ConversationRunner, RunState
 from server.load.wire import Tally, chunked_overhead
 
@@ -174,6 +174,7 @@ async def _request(st: RunState, conn: _Http, path: str, rec: RequestRecord, bod
     if usage is not None:
         total = int(usage.get("completion_tokens") or 0)
         rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         if total > counted:
             st.add_tokens(total - counted, rec.done_at)
         rec.tokens = max(total, counted)
@@ -193,7 +194,8 @@ def openai_conversation(state: RunState) -> ConversationRunner:
     async def run(user: int, conversation: int) -> None:
         rng = conversation_rng(cfg.seed, user, conversation)
         conn = _Http(host, port)
-        history: list[dict[str, str]] = []
+        system = system_prompt(cfg)
+        history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         try:
             for turn in range(cfg.turns):
                 if turn and cfg.think > 0:

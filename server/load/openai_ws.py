@@ -24,7 +24,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
 from server.load.connection import ws_header_bytes
-from server.load.conversation import RequestRecord, conversation_rng, draw_request
+from server.load.conversation import RequestRecord, conversation_rng, draw_request, system_prompt
 from server.load.runner import ConversationRunner, RunState
 from server.load.wire import Tally
 
@@ -100,6 +100,7 @@ async def _request(st: RunState, ws: ClientConnection, rec: RequestRecord, body:
     usage = response.get("usage") or {}
     total = int(usage.get("output_tokens") or 0)
     rec.prompt_tokens = int(usage.get("input_tokens") or 0)
+    rec.cached_tokens = int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
     if total > counted:
         st.add_tokens(total - counted, rec.done_at)
     rec.tokens = max(total, counted)
@@ -117,6 +118,7 @@ def openai_ws_conversation(state: RunState) -> ConversationRunner:
         rng = conversation_rng(cfg.seed, user, conversation)
         ws: ClientConnection | None = None
         previous: str | None = None
+        system = system_prompt(cfg)
         try:
             for turn in range(cfg.turns):
                 if turn and cfg.think > 0:
@@ -132,6 +134,8 @@ def openai_ws_conversation(state: RunState) -> ConversationRunner:
                     "max_output_tokens": chat.params.max_tokens,
                     "temperature": chat.params.temperature,
                 }
+                if system:  # instructions are not carried over from the previous response: every turn
+                    body["instructions"] = system
                 if previous is not None:
                     body["previous_response_id"] = previous
                 try:

@@ -69,6 +69,7 @@ class Dist:
 SUBPROTOCOL_MODES = ("msgpack", "json", "both")
 VERIFY_MODES = ("drops", "all", "none")
 SCENARIOS = ("normal", "hostile-prompt", "flood", "store-cost")
+MAX_SYSTEM_WORDS = 4000
 GATEWAY_LOSS_IDLE = 16_000  # --scenario gateway-loss's idle connections when --idle is not given
 
 
@@ -81,6 +82,9 @@ class LoadConfig:
     requests: int | None = None
     duration: float | None = None
     prompt_words: Dist = Dist("uniform", 16, 64)
+    # One app's fixed system prompt of this many words before every conversation (0: the model's default):
+    # what --prompt-sharing tenant lets requests of different users share.
+    system_words: int = 0
     max_tokens: Dist = Dist("uniform", 32, 128)
     temperature: float = 0.8
     cache: bool = False  # allow the server's response cache (seeded requests are otherwise cacheable)
@@ -116,6 +120,8 @@ class LoadConfig:
             raise ValueError("--drop-rate must be in [0, 1]")
         if self.rate is not None and not self.rate > 0:
             raise ValueError("--rate must be positive")
+        if not 0 <= self.system_words <= MAX_SYSTEM_WORDS:
+            raise ValueError(f"--system-words must be 0-{MAX_SYSTEM_WORDS}")
         if not 0 <= self.coalesce_ms <= 1000:
             raise ValueError("--coalesce-ms must be 0-1000")
         if self.subprotocol not in SUBPROTOCOL_MODES:
@@ -143,6 +149,7 @@ class LoadConfig:
             "requests": self.requests,
             "duration_s": self.duration,
             "prompt_words": str(self.prompt_words),
+            "system_words": self.system_words,
             "max_tokens": str(self.max_tokens),
             "temperature": self.temperature,
             "cache": self.cache,
@@ -206,6 +213,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=Dist.parse,
         default=Dist("uniform", 16, 64),
         help="words per user turn: N, A-B or exp:MEAN (default 16-64)",
+    )
+    w.add_argument(
+        "--system-words",
+        type=int,
+        default=0,
+        help="open every conversation with one fixed system prompt of N words, the same for all users "
+        "(an app's own prompt: what --prompt-sharing tenant shares); default 0, the model's own",
     )
     w.add_argument(
         "--max-tokens",
@@ -336,6 +350,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         requests=args.requests,
         duration=args.duration,
         prompt_words=args.prompt_words,
+        system_words=args.system_words,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         cache=args.cache,

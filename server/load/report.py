@@ -102,6 +102,8 @@ def build_report(res: LoadResult) -> dict[str, Any]:
             "completion": tokens,
             "streamed_live": streamed,
             "prompt": sum(r.prompt_tokens for r in recs),
+            # Of those, what the server's usage says it did not compute (session turns, shared starts).
+            "prompt_cached": sum(r.cached_tokens for r in recs),
             # Every token streamed live, failed requests' included: what the server delivered.
             "per_s": round(streamed / window, 2) if window > 0 else None,
             "per_request_mean": round(tokens / len(recs), 2) if recs else None,
@@ -177,6 +179,8 @@ def print_table(report: dict[str, Any]) -> None:
         codes = ", ".join(f"{k} {v}" for k, v in rq["failed_by_code"].items()) or "none"
         t.add_row("requests", f"{rq['issued']} issued, {rq['ok']} ok, {rq['failed']} failed ({codes})")
         t.add_row("tokens", f"{tk['completion']} completion, {_fmt(tk['per_s'])} tokens/s")
+        if tk.get("prompt"):
+            t.add_row("prompt tokens", f"{tk['prompt']}, {tk.get('prompt_cached', 0)} cached (usage)")
         for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "inter-token"), ("latency_ms", "request")):
             s = report[key]
             t.add_row(

@@ -263,3 +263,47 @@ async def test_load_api_openai_ws_runs_the_same_workload_over_the_responses_webs
     assert rep["config"]["api"] == "openai-ws" and rep["servers"]
     measured = rep["wire"]["measured"]["openai-ws"]
     assert 0 < measured["tokens"] <= tk["streamed_live"] and measured["wire_per_token"] > 0
+
+
+async def test_load_system_words_sends_one_app_prompt_through_every_door(
+    served: ServeProcess, tiny_model_dir: Path
+) -> None:
+    """``--system-words``: every conversation opens with the run's one fixed system prompt, whichever door
+    carries it (messages mode over the WebSocket, the HTTP history, the Responses ``instructions``, the
+    engine itself). Greedy on one user over two turns, so runs with the same default penalties see the
+    same prompts (the WebSocket's and the engine's, SPEC §5; the two OpenAI doors', §15): equal prompt and
+    completion tokens. The usage's ``cached_tokens`` reaches the report: second turns reuse their first."""
+    from server.load.cli import _load_engine
+
+    def cfg(url: str, **kw: Any) -> LoadConfig:
+        return LoadConfig(
+            url=url,
+            users=1,
+            turns=2,
+            requests=4,
+            temperature=0.0,
+            max_tokens=Dist("uniform", 4, 12),
+            prompt_words=Dist("uniform", 4, 12),
+            system_words=30,
+            seed=11,
+            **kw,
+        )
+
+    http = served.url.replace("ws://", "http://").removesuffix("/ws")
+    engine = _load_engine(str(tiny_model_dir), None)
+    reps = {
+        "tokenwire": await run(cfg(served.url), progress=False),
+        "engine-only": await run(cfg("engine-only"), progress=False, engine=engine),
+        "openai": await run(cfg(http, api="openai"), progress=False),
+        "openai-ws": await run(cfg(http, api="openai-ws"), progress=False),
+    }
+    for name, rep in reps.items():
+        assert rep["requests"]["ok"] == 4, (name, rep["requests"])
+        assert rep["config"]["system_words"] == 30
+        assert rep["tokens"]["prompt"] >= 4 * 30, name  # every request carried the 30-word system prompt
+    _check_counts(reps["tokenwire"])
+    for a, b in (("tokenwire", "engine-only"), ("openai", "openai-ws")):
+        pair = [(reps[n]["tokens"]["prompt"], reps[n]["tokens"]["completion"]) for n in (a, b)]
+        assert pair[0] == pair[1], (a, b, pair)
+    for name in ("tokenwire", "engine-only"):  # a session each: the second turn reuses the first
+        assert 0 < reps[name]["tokens"]["prompt_cached"] < reps[name]["tokens"]["prompt"], name

@@ -15,13 +15,17 @@ import os
 import platform
 import re
 import resource
+import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import jwt
 
 LISTEN = re.compile(r"(ws://\S+/v1/ws)")
 E2E_ROUNDS = 2
@@ -129,6 +133,7 @@ SECTIONS = (
     "mobile",
     "engine",
     "e2e",
+    "sharing",
     "coalesce",
     "hostile",
     "flood",
@@ -201,6 +206,58 @@ def _e2e(work: Path, quick: bool) -> dict[str, Any]:
             )
         out["serve_rss_after_mib"] = _rss_mib(s.proc.pid)
     return out
+
+
+# One app's users, each asking a short question under the app's own long system prompt (the same for all):
+# what --prompt-sharing tenant copies and public, across users, does not.
+SHARING_WORKLOAD = [
+    "--turns",
+    "1",
+    "--system-words",
+    "200",
+    "--max-tokens",
+    "32-64",
+    "--prompt-words",
+    "8-24",
+]
+# An OpenAI client's conversation over the HTTP API: the whole history every turn, no session.
+SHARING_HTTP = ["--turns", "4", "--max-tokens", "32-96", "--prompt-words", "16-64"]
+SHARING_ROUNDS = 2
+
+
+def _sharing_run(work: Path, quick: bool) -> dict[str, Any]:
+    """Prompt KV reuse as the usage reports it (``cached_tokens``): users under one app's system prompt
+    against two servers, ``--prompt-sharing public`` and ``tenant``, alternated over SHARING_ROUNDS
+    rounds (both servers up, one loaded at a time); then OpenAI-style conversations over HTTP with auth on
+    (one caller), whose later turns copy their own history's KV."""
+    users, n_req = ("8", "16") if quick else ("16", "48")
+    out: dict[str, Any] = {"public": [], "tenant": [], "users": int(users)}
+    base = ["serve", "--port", "0", "--log-level", "warning"]
+    with (
+        _Server(
+            [*base, "--data-dir", str(work / "sharing-public"), "--prompt-sharing", "public"],
+            "tokenwire ready",
+        ) as pub,
+        _Server(
+            [*base, "--data-dir", str(work / "sharing-tenant"), "--prompt-sharing", "tenant"],
+            "tokenwire ready",
+        ) as ten,
+    ):
+        for i in range(SHARING_ROUNDS):
+            for mode, s in (("public", pub), ("tenant", ten)):
+                out[mode].append(
+                    _load(s.urls[0], work / f"sharing-{mode}-{i}.json", "--users", users, "--requests", n_req,
+                          *SHARING_WORKLOAD)
+                )  # fmt: skip
+    secret = secrets.token_hex(32)
+    token = jwt.encode({"sub": "bench-app", "exp": int(time.time()) + 7200}, secret, algorithm="HS256")
+    http_args = ["--data-dir", str(work / "sharing-http"), "--auth-secret", secret]
+    with _Server([*base, *http_args], "tokenwire ready") as s:
+        out["http"] = _load(
+            s.http_url, work / "sharing-http.json", "--api", "openai", "--token", token, "--users", users,
+            "--requests", str(int(n_req) * 4 // 3), *SHARING_HTTP,
+        )  # fmt: skip
+    return {"sharing": out}
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -520,6 +577,7 @@ RUNNERS = {
     "mobile": _mobile_run,
     "engine": _engine,
     "e2e": _e2e,
+    "sharing": _sharing_run,
     "hostile": _hostile_run,
     "flood": _flood_run,
     "idle": _idle,
@@ -866,6 +924,7 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
         lines += _render_engine(r)
     if "load32" in r:
         lines += _render_e2e(r)
+    lines += _render_sharing(r.get("sharing"))
     if "coalesce" in r:
         lines += _render_coalesce(r["coalesce"])
     lines += _hostile(r)
@@ -881,6 +940,50 @@ def render(r: dict[str, Any], *, quick: bool = False) -> str:
     lines += _render_gateway_loss(r.get("gateway_loss"))
     lines += _render_peers(r.get("peers"))
     return "\n".join(lines) + "\n"
+
+
+def _render_sharing(sh: dict[str, Any] | None) -> list[str]:
+    """The prompt-reuse section: public vs tenant under one system prompt, and HTTP conversations."""
+    if not sh:
+        return []
+
+    def row(label: str, x: dict[str, Any]) -> str:
+        tk, rq = x["tokens"], x["requests"]
+        cached, prompt = tk.get("prompt_cached", 0), tk["prompt"]
+        share = f"{100 * cached / prompt:.0f} %" if prompt else "—"
+        return (
+            f"| {label} | {rq['ok']} / {rq['issued']} | {_f(tk['per_s'])} | {_f(x['ttft_ms']['p50'], 0)} | "
+            f"{_f(x['ttft_ms']['p99'], 0)} | {prompt:,} | {cached:,} ({share}) |"
+        )
+
+    def median(runs: list[dict[str, Any]], get: Any) -> float | None:
+        vals = [v for v in (get(x) for x in runs) if v is not None]
+        return statistics.median(vals) if vals else None
+
+    lines = [
+        "",
+        "## Prompt reuse (`--prompt-sharing`, usage `cached_tokens`)",
+        "",
+        f"{sh['users']} users at once, each asking a short question (8-24 words, 32-64 tokens back)"
+        " under one app's fixed 200-word system prompt (`tokenwire load --system-words 200`), over the"
+        " WebSocket, against two `tokenwire serve`: `--prompt-sharing public` (across users only the chat"
+        " template's opening) and `tenant` (any common start), alternated. Then OpenAI-style conversations"
+        " of 4 turns over the HTTP API with auth on (one caller; the whole history every turn, no session),"
+        " against the default server. `cached` is the sum of the usage's `cached_tokens`: prompt tokens"
+        " copied, not computed.",
+        "",
+        "| run | ok | tok/s | TTFT p50 ms | TTFT p99 ms | prompt tokens | cached |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for mode in ("public", "tenant"):
+        lines += [row(f"{mode}, round {i + 1}", x) for i, x in enumerate(sh[mode])]
+    if sh.get("http"):
+        lines.append(row("HTTP, 4 turns, auth", sh["http"]))
+    pub = median(sh["public"], lambda x: x["ttft_ms"]["p50"])
+    ten = median(sh["tenant"], lambda x: x["ttft_ms"]["p50"])
+    if pub and ten:
+        lines += ["", f"Median TTFT p50: tenant / public **{ten / pub:.2f}x**."]
+    return lines
 
 
 def _render_engine(r: dict[str, Any]) -> list[str]:

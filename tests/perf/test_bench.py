@@ -315,3 +315,27 @@ def test_the_sections_table_names_each_sections_cpu() -> None:
     assert f"| engine | 2026-12-06 01:00 UTC | {here} | 0.5 / 1.9 |" in text
     assert "| soak | 2026-12-01 | — | — |" in text
     assert here.split(":")[0] and ":" in here
+
+
+def test_benchmarks_md_shows_prompt_reuse_by_sharing_mode() -> None:
+    from server.load.benchmarks import _render_sharing
+
+    def run(per_s: float, p50: float, prompt: int, cached: int) -> dict[str, Any]:
+        return {
+            "requests": {"ok": 48, "issued": 48},
+            "tokens": {"per_s": per_s, "prompt": prompt, "prompt_cached": cached},
+            "ttft_ms": {"p50": p50, "p99": 4 * p50},
+        }
+
+    sh = {
+        "users": 16,
+        "public": [run(50.0, 1600.0, 11_000, 0), run(48.0, 1400.0, 11_000, 0)],
+        "tenant": [run(100.0, 400.0, 11_000, 10_000), run(96.0, 360.0, 11_000, 9_900)],
+        "http": run(80.0, 600.0, 13_000, 10_000),
+    }
+    text = "\n".join(_render_sharing(sh))
+    assert "| public, round 1 | 48 / 48 | 50.0 | 1600 | 6400 | 11,000 | 0 (0 %) |" in text
+    assert "| tenant, round 2 | 48 / 48 | 96.0 | 360 | 1440 | 11,000 | 9,900 (90 %) |" in text
+    assert "| HTTP, 4 turns, auth | 48 / 48 | 80.0 | 600 | 2400 | 13,000 | 10,000 (77 %) |" in text
+    assert "tenant / public **0.25x**" in text  # medians: 380 / 1500
+    assert _render_sharing(None) == []  # never measured: no section

@@ -628,16 +628,17 @@ def _parse_done(r: Mapping[str, Any]) -> Done:
     u = r.get("usage")
     if not isinstance(u, Mapping):
         raise _bad("done.usage: expected a map {prompt_tokens, completion_tokens}")
+    prompt = _offset(u.get("prompt_tokens"), "done.usage.prompt_tokens", None)
+    completion = _offset(u.get("completion_tokens"), "done.usage.completion_tokens", None)
+    # Added in a minor revision: a server that predates it sends none.
+    cached = _offset(u.get("cached_tokens", 0), "done.usage.cached_tokens", None)
+    if cached > prompt:
+        raise _bad(f"done.usage.cached_tokens: {cached} is more than prompt_tokens {prompt}")
     return Done(
         id=_req_id(r),
         finish_reason=reason,
         offset=_offset(r.get("offset"), "done.offset", None),
-        usage=Usage(
-            _offset(u.get("prompt_tokens"), "done.usage.prompt_tokens", None),
-            _offset(u.get("completion_tokens"), "done.usage.completion_tokens", None),
-            # Added in a minor revision: a server that predates it sends none.
-            _offset(u.get("cached_tokens", 0), "done.usage.cached_tokens", None),
-        ),
+        usage=Usage(prompt, completion, cached),
     )
 
 

@@ -112,8 +112,9 @@ REQUEUED = Counter("tokenwire_requests_requeued_total", "requests re-queued from
 
 class _PromptReuse(Collector):
     """tokenwire_prompt_tokens_reused_total{source}: prompt tokens this process's engine did not feed,
-    their KV taken over from the session's cached prefix ("session") or copied from another sequence's
-    prompt start ("shared"). The engine keeps the counts; they are read when scraped."""
+    their KV taken over from a finished turn ("session": the session's cached prefix, or the caller's own
+    kept turn without one) or copied from another sequence's prompt start ("shared"). The engine keeps
+    the counts; they are read when scraped."""
 
     def __init__(self) -> None:
         self.read: Callable[[], dict[str, int]] | None = None

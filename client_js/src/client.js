@@ -143,7 +143,8 @@ export class ChatStream {
         text: this.text,
         finishReason: done.finish_reason,
         offset: done.offset,
-        usage: done.usage,
+        // SPEC §4: a server before cached_tokens sends none; it reads as 0.
+        usage: { ...done.usage, cached_tokens: done.usage.cached_tokens ?? 0 },
         epoch: this.epoch,
       });
     }

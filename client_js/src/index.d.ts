@@ -47,8 +47,8 @@ export type RequestState = "queued" | "running" | "done" | "failed" | "cancelled
 export interface Usage {
   prompt_tokens: number;
   completion_tokens: number;
-  /** Of `prompt_tokens`, those the server did not compute again (absent from servers that predate it). */
-  cached_tokens?: number;
+  /** Of `prompt_tokens`, those the server did not compute again (0 from servers that predate it). */
+  cached_tokens: number;
 }
 
 /** `n` tokens starting at token `offset`, and their text (whole UTF-8; may be empty). */

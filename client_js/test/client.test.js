@@ -70,6 +70,7 @@ function assertContiguous({ items, text, result }) {
   }
   assert.equal(result.offset, pos);
   assert.equal(result.usage.completion_tokens, pos);
+  assert.ok(Number.isInteger(result.usage.cached_tokens) && result.usage.cached_tokens <= result.usage.prompt_tokens);
   assert.equal(result.text, text);
 }
 

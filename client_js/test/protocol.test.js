@@ -64,6 +64,8 @@ test("overloaded: the same chat (same id) is sent again after retry_after_ms", a
   const t0 = Date.now();
   const result = await c.chat("hi", { max_tokens: 5 }).result;
   assert.equal(result.text, "ok");
+  // The fake server predates usage.cached_tokens (SPEC §4): it reads as 0.
+  assert.deepEqual(result.usage, { prompt_tokens: 3, completion_tokens: 2, cached_tokens: 0 });
   const chats = server.received.filter((f) => f.type === "chat");
   assert.equal(chats.length, 2);
   assert.deepEqual(chats[1], chats[0]);

@@ -27,7 +27,7 @@ __all__ = [
 # Owners that stand for many callers (none given, or every keyless HTTP caller): the engine treats their
 # requests as strangers to each other, sharing only the public prefix of their prompts (scheduler.py).
 POOLED_OWNERS = frozenset({"", ANONYMOUS_HTTP_OWNER})
-# Which sequences may copy each other's prompt starts (``--prompt-sharing``; scheduler._share_prefix):
+# Which sequences may copy each other's prompt starts (``--prompt-sharing``; scheduler._find_donor):
 # "public": across users only the chat template's own opening, any common start within one user's
 # requests; "tenant": any common start across users too (every caller one tenant: a caller can time
 # whether another's prompt starts like theirs); "off": none (a session's own prefix is still reused).

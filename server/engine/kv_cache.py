@@ -258,6 +258,11 @@ class SlotTable:
 
     # ---- internals ---------------------------------------------------------------------------------
 
+    def touch(self, prefix: CachedPrefix) -> None:
+        """Mark a cached prefix most recently used: LRU eviction takes the others first."""
+        if self.prefixes.get(prefix.session) is prefix:
+            self.prefixes.move_to_end(prefix.session)
+
     def remember(self, prefix: CachedPrefix) -> None:
         """Keep ``prefix`` (holding a slot past the running ones) as its session's most recent."""
         old = self.prefixes.pop(prefix.session, None)

@@ -43,8 +43,8 @@ class QueueFull(Exception):
         self.retry_after_ms = retry_after_ms
 
 
-# The cached-prefix name of a finished turn that had no session: never a session id (those are printable),
-# so take_prefix never hands it out; only _share_prefix copies from it.
+# The cached-prefix name of a finished turn that had no session: never a session id (Scheduler.add refuses
+# those starting with NUL), so only _admit finds it, by its tokens (_find_donor).
 _SESSIONLESS = "\0turn:"
 
 
@@ -180,6 +180,8 @@ class Scheduler:
         Raises QueueFull at the waiting bound."""
         if len(prompt_ids) + len(resume_ids) >= self.max_context:
             raise ValueError(f"{key}: {len(prompt_ids) + len(resume_ids)} tokens leave no room in any slot")
+        if session.startswith(_SESSIONLESS[0]):
+            raise ValueError(f"{key}: a session name may not start with NUL (kept turns' names do)")
         if self.new_waiting() >= self.cfg.max_waiting:
             raise QueueFull(self.retry_after_ms())
         detok = Detokenizer(self.decode, params.stop)
@@ -341,9 +343,9 @@ class Scheduler:
         seq.state = State.DONE
         keep = None
         # A session's turn is kept for its next turn. A turn without one (the HTTP doors send the whole
-        # conversation each time) is kept too where another request could copy its start: the same
-        # caller's next turn, by _share_prefix. Either way it holds a slot nobody runs in, the first
-        # to go (LRU) when a running sequence needs one.
+        # conversation each time) is kept too where another request could use its start: the same
+        # caller's next turn takes it over (_admit). Either way it holds a slot nobody runs in, the
+        # first to go (LRU) when a running sequence needs one.
         name = seq.session or (_SESSIONLESS + seq.key if self._may_share_past_public(seq.user) else "")
         if name and seq.kv_len > 0:
             # Its ids are the sequence's first kv_len tokens: their whole blocks' hashes carry over.
@@ -354,12 +356,13 @@ class Scheduler:
     def _may_share_past_public(self, user: str) -> bool:
         """Whether a prompt start of ``user``'s can be copied past the public prefix by anyone (their own
         requests, or everyone's in one tenant): only then is a finished sessionless turn worth keeping."""
-        if self.cfg.share_min_tokens <= 0:
+        if self.cfg.share_min_tokens <= 0 or not self.cfg.prefix_reuse:
             return False
         return self.cfg.share_across_users or user not in self.cfg.pooled_users
 
     def _admit(self, seq: Seq) -> bool:
-        """Give the head of the queue a slot, reusing its session's cached prefix when it matches."""
+        """Give the head of the queue a slot: its session's cached prefix when it matches (taken over), or
+        a new slot starting with a copy of the longest prompt start another holder has (_find_donor)."""
         first = self.table.pool_for(min(len(seq.tokens) + 1, self.max_context))
         assert first is not None
         pools = range(first, self.table.n_pools())
@@ -367,34 +370,58 @@ class Scheduler:
         if prefix is not None and prefix.slot is not None:
             shared = common_prefix(prefix.ids, seq.tokens, len(seq.tokens) - 1)
             if shared > 0:
-                own = prefix.slot[0]
-                target = own if own >= first else next((t for t in pools if self.table.can_acquire(t)), None)
-                if target is None:
-                    self.table.remember(prefix)  # no room yet: keep it for when there is
-                    return False
-                prefix.kv_len = min(prefix.kv_len, shared)  # only the shared part is valid here
-                self.table.adopt(prefix, seq, target)
-                seq.kv_len = seq.reused = prefix.kv_len
-                self.reused_tokens += seq.reused
-                return True
+                return self._take_over(prefix, seq, shared, first)
             self.table.drop_prefix(prefix)
+        best, donor = self._find_donor(seq)
+        kept_turn = isinstance(donor, CachedPrefix) and donor.session.startswith(_SESSIONLESS)
+        if isinstance(donor, CachedPrefix) and kept_turn and donor.user == seq.user:
+            # The caller's own finished turn (no session: an HTTP conversation sends its history again):
+            # its next turn takes the slot over, as a session's does, rather than copy it and keep both.
+            self.table.take_prefix(donor.session)
+            return self._take_over(donor, seq, best, first)
+        if isinstance(donor, CachedPrefix):
+            self.table.touch(donor)  # most recently used: not the prefix the acquire below evicts
         if not any(self.table.acquire(t, seq) for t in pools):
             return False
         seq.kv_len = seq.reused = 0
-        self._share_prefix(seq)
+        if donor is not None and donor.slot is None:  # evicted all the same (its pool's only prefix)
+            best, donor = self._find_donor(seq)
+        if donor is not None:
+            assert donor.slot is not None  # read now: the acquire may have moved a cached prefix
+            self.table.share(donor.slot, seq, best)
+            seq.reused = best
+            self.shared_tokens += best
         return True
 
-    def _share_prefix(self, seq: Seq) -> None:
-        """Copy into ``seq``'s new slot the KV of its longest run of leading tokens that a running sequence
-        or a cached prefix already holds (SchedulerConfig.share_min_tokens; across users only within the
-        public prefix). The copy is one op before the step's forward; the tokens are not fed again."""
+    def _take_over(self, prefix: CachedPrefix, seq: Seq, shared: int, first: int) -> bool:
+        """``seq`` continues a finished turn (its session's, or its caller's own kept one): it runs in
+        ``prefix``'s slot, whose first ``shared`` positions it has in common. False (the prefix kept for
+        later) when no pool from ``first`` has room."""
+        assert prefix.slot is not None
+        own = prefix.slot[0]
+        pools = range(first, self.table.n_pools())
+        target = own if own >= first else next((t for t in pools if self.table.can_acquire(t)), None)
+        if target is None:
+            self.table.remember(prefix)  # no room yet: keep it for when there is
+            return False
+        prefix.kv_len = min(prefix.kv_len, shared)  # only the shared part is valid here
+        self.table.adopt(prefix, seq, target)
+        seq.kv_len = seq.reused = prefix.kv_len
+        self.reused_tokens += seq.reused
+        return True
+
+    def _find_donor(self, seq: Seq) -> tuple[int, Seq | CachedPrefix | None]:
+        """The holder of the longest run of ``seq``'s leading tokens whose KV is in a slot (fed, not merely
+        scheduled), a running sequence or a cached prefix, and that run's length: at least
+        SchedulerConfig.share_min_tokens, at most all but its last token, across users only within the
+        public prefix (or any under --prompt-sharing tenant). (0, None) when there is none."""
         if self.cfg.share_min_tokens <= 0:
-            return
+            return 0, None
         cap = len(seq.tokens) - 1  # its last token is always fed: its logits are the first draw
         public = common_prefix(self.cfg.public_prefix, seq.tokens, cap)
         own = seq.user not in self.cfg.pooled_users  # one caller: its requests share with each other
         tenant = self.cfg.share_across_users
-        best, src, found = self.cfg.share_min_tokens - 1, None, None
+        best, found = self.cfg.share_min_tokens - 1, None
         donors: list[Seq | CachedPrefix] = [*self.running, *self.table.prefixes.values()]
         for d in donors:
             if d is seq or d.slot is None or d.kv_len <= best:
@@ -402,18 +429,17 @@ class Scheduler:
             limit = min(d.kv_len, cap if tenant or (own and d.user == seq.user) else public)
             if limit <= best:
                 continue
-            tokens = d.tokens if isinstance(d, Seq) else d.ids
-            n = _shared_len(tokens, d.blocks, seq.tokens, seq.blocks, limit)
+            n = _shared_len(_ids(d), d.blocks, seq.tokens, seq.blocks, limit)
             if n > best:
-                best, src, found = n, d.slot, tokens
+                best, found = n, d
+        if found is None:
+            return 0, None
         # The block hashes found it; the tokens decide (a hash collision must not copy another's KV).
-        if found is not None and found[:best] != seq.tokens[:best]:
-            best = common_prefix(found, seq.tokens, best)
-            src = src if best >= self.cfg.share_min_tokens else None
-        if src is not None:
-            self.table.share(src, seq, best)
-            seq.reused = best
-            self.shared_tokens += best
+        if _ids(found)[:best] != seq.tokens[:best]:
+            best = common_prefix(_ids(found), seq.tokens, best)
+            if best < self.cfg.share_min_tokens:
+                return 0, None
+        return best, found
 
     def _room(self, seq: Seq, need: int) -> bool:
         """Make the slot of running ``seq`` hold ``need`` positions: move it to a larger pool, preempting
@@ -537,6 +563,11 @@ def _blocks(tokens: Sequence[int], memo: list[int], n: int) -> list[int]:
         i = len(memo)
         memo.append(hash((memo[-1] if memo else 0, *tokens[i * BLOCK : (i + 1) * BLOCK])))
     return memo
+
+
+def _ids(holder: Seq | CachedPrefix) -> list[int]:
+    """The tokens whose KV ``holder``'s slot holds (from its start: only its first kv_len are there)."""
+    return holder.tokens if isinstance(holder, Seq) else holder.ids
 
 
 def _shared_len(a: Sequence[int], a_memo: list[int], b: Sequence[int], b_memo: list[int], cap: int) -> int:

@@ -494,6 +494,60 @@ def test_a_finished_turn_without_a_session_is_kept_for_its_callers_next_turn() -
         assert {o.cached_tokens for o in outs["t2"]} == {expected}
 
 
+def test_a_callers_next_turn_takes_its_kept_turn_over_even_when_slots_are_short() -> None:
+    """Two slots, both holding finished turns: u's and then a stranger's. u's next turn takes its own kept
+    turn's slot over (nothing evicted, nothing copied), and the stranger's stays. Over four turns one
+    kept turn is left, not one per turn."""
+    s, r = make(((2, 128),), prefill_tokens=256, share=8)
+    t1 = HEAD + prompt(6, 1)
+    s.add("t1", t1, greedy(5), user="u")
+    outs = run(s, r)
+    s.add("v1", prompt(30, 7), greedy(5), user="v")
+    run_into(outs, s, r)
+    assert len(s.table.prefixes) == 2  # no free slot left
+    history = [*t1, *(t for o in outs["t1"] for t in o.token_ids)]
+    for turn in range(2, 5):
+        key = f"t{turn}"
+        tokens = [*history, *prompt(4, turn)]
+        s.add(key, tokens, greedy(5), user="u")
+        step_into(outs, s, r)
+        assert s.by_key[key].reused == len(history) - 1, turn  # all but the never-fed last token
+        run_into(outs, s, r)
+        check_stream(outs[key], reference(tokens, 5))
+        history = [*tokens, *(t for o in outs[key] for t in o.token_ids)]
+        kept = sorted(p.user for p in s.table.prefixes.values())
+        assert kept == ["u", "v"], turn  # u's latest turn only, and the stranger's untouched
+
+
+def test_a_cached_donor_is_not_the_prefix_its_copy_evicts() -> None:
+    """Every slot holds a cached prefix and a new request copies one of them (tenant: any caller's): the
+    slot it needs is made by evicting another, never the one it copies, even though that is the least
+    recently used."""
+    s, r = make(((2, 128),), prefill_tokens=256, share=8, tenant=True)
+    s.add("a", HEAD + prompt(6, 1), greedy(5), user="a", session="SA")
+    run(s, r)
+    s.add("b", prompt(30, 7), greedy(5), user="b", session="SB")
+    run(s, r)
+    assert list(s.table.prefixes) == ["SA", "SB"]  # SA least recently used
+    c = HEAD + prompt(6, 2)
+    s.add("c", c, greedy(5), user="c")
+    outs: dict[str, list[StepOutput]] = {}
+    step_into(outs, s, r)
+    assert s.by_key["c"].reused == len(HEAD)
+    assert "SA" in s.table.prefixes and "SB" not in s.table.prefixes
+    run_into(outs, s, r)
+    check_stream(outs["c"], reference(c, 5))
+
+
+def test_no_turn_is_kept_without_prefix_reuse_and_no_session_may_look_like_a_kept_turn() -> None:
+    s, r = make(((4, 128),), prefill_tokens=256, share=8, reuse=False)
+    s.add("t1", HEAD + prompt(6, 1), greedy(5), user="u")
+    run(s, r)
+    assert s.table.prefixes == {}
+    with pytest.raises(ValueError, match="NUL"):
+        s.add("x", prompt(5), greedy(3), session="\0turn:t1")
+
+
 def test_across_users_only_the_public_prefix_is_shared() -> None:
     for public, expected in ((HEAD[:12], 12), (HEAD[:5], 0), ((), 0), ([*HEAD, 1, 2], len(HEAD))):
         s, r = make(((4, 128),), prefill_tokens=256, share=8, public=public)

@@ -210,7 +210,7 @@ def test_done_without_cached_tokens_reads_as_zero() -> None:
     done = {"type": "done", "id": "r", "finish_reason": "stop", "offset": 2}
     frame = parse_server_frame({**done, "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
     assert isinstance(frame, Done) and frame.usage == Usage(5, 2, 0)
-    for bad in (-1, "3", 1.5, None, True):
+    for bad in (-1, "3", 1.5, None, True, 6):  # 6: more than the prompt's 5
         with pytest.raises(ProtocolError, match=r"done\.usage\.cached_tokens"):
             parse_server_frame(
                 {**done, "usage": {"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": bad}}

@@ -239,17 +239,23 @@ class ResponseEvents:
         self.ended = True
         full = "".join(self.text)
         total = end.offset
-        if end.finish in ("stop", "length"):
+        ok = end.finish in ("stop", "length")
+        if ok:
             status = "incomplete" if end.finish == "length" else "completed"
-            final = response_object(
-                self.rid,
-                self.payload,
-                status,
-                full,
-                end.prompt_tokens,
-                total,
-                cached_tokens=end.cached_tokens,
-            )
+        else:
+            status = "cancelled" if end.finish == "cancelled" else "failed"
+        error = error_of(end.error_code, end.error_message) if status == "failed" else None
+        final = response_object(
+            self.rid,
+            self.payload,
+            status,
+            full,
+            end.prompt_tokens,
+            total,
+            error,
+            cached_tokens=end.cached_tokens,
+        )
+        if ok:
             part = {"type": "output_text", "text": full, "annotations": [], "logprobs": []}
             at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
             events = [
@@ -259,17 +265,5 @@ class ResponseEvents:
                 self._ev(f"response.{status}", closing_seq(total, 3), response=final),
             ]
         else:
-            status = "cancelled" if end.finish == "cancelled" else "failed"
-            error = error_of(end.error_code, end.error_message) if status == "failed" else None
-            final = response_object(
-                self.rid,
-                self.payload,
-                status,
-                full,
-                end.prompt_tokens,
-                total,
-                error,
-                cached_tokens=end.cached_tokens,
-            )
             events = [self._ev("response.failed", closing_seq(total, 0), response=final)]
         return events[self.at.closing :]

@@ -236,6 +236,11 @@ class SlotTable:
         p.running += 1
         return True
 
+    def touch(self, prefix: CachedPrefix) -> None:
+        """Mark a cached prefix most recently used: LRU eviction takes the others first."""
+        if self.prefixes.get(prefix.session) is prefix:
+            self.prefixes.move_to_end(prefix.session)
+
     def drop_prefix(self, prefix: CachedPrefix) -> None:
         """Forget a cached prefix and free its slot."""
         if self.prefixes.get(prefix.session) is prefix:
@@ -257,11 +262,6 @@ class SlotTable:
         return held / total
 
     # ---- internals ---------------------------------------------------------------------------------
-
-    def touch(self, prefix: CachedPrefix) -> None:
-        """Mark a cached prefix most recently used: LRU eviction takes the others first."""
-        if self.prefixes.get(prefix.session) is prefix:
-            self.prefixes.move_to_end(prefix.session)
 
     def remember(self, prefix: CachedPrefix) -> None:
         """Keep ``prefix`` (holding a slot past the running ones) as its session's most recent."""

@@ -373,13 +373,13 @@ class Scheduler:
                 return self._take_over(prefix, seq, shared, first)
             self.table.drop_prefix(prefix)
         best, donor = self._find_donor(seq)
-        kept_turn = isinstance(donor, CachedPrefix) and donor.session.startswith(_SESSIONLESS)
-        if isinstance(donor, CachedPrefix) and kept_turn and donor.user == seq.user:
-            # The caller's own finished turn (no session: an HTTP conversation sends its history again):
-            # its next turn takes the slot over, as a session's does, rather than copy it and keep both.
-            self.table.take_prefix(donor.session)
-            return self._take_over(donor, seq, best, first)
         if isinstance(donor, CachedPrefix):
+            if donor.session.startswith(_SESSIONLESS) and donor.user == seq.user:
+                # The caller's own finished turn (no session: an HTTP conversation sends its history
+                # again): its next turn takes the slot over, as a session's does, rather than copy it and
+                # keep both.
+                self.table.take_prefix(donor.session)
+                return self._take_over(donor, seq, best, first)
             self.table.touch(donor)  # most recently used: not the prefix the acquire below evicts
         if not any(self.table.acquire(t, seq) for t in pools):
             return False

@@ -10,6 +10,7 @@ a repeat (see ``integrity``). Unplanned disconnects are handled the same way and
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -98,11 +99,18 @@ def prompt_text(rng: random.Random, words: int, turn: int) -> str:
 def system_prompt(cfg: LoadConfig) -> str:
     """The run's fixed system prompt of ``--system-words`` words ("" for none): one app's own prompt, the
     same for every user and conversation of a run (seeded by ``--seed`` alone)."""
-    if cfg.system_words <= 0:
+    return _system_text(cfg.system_words, cfg.seed)
+
+
+@functools.cache
+def _system_text(words: int, seed: int) -> str:
+    # Drawn once per run, not once per conversation: up to 4,000 words, and the load client shares the
+    # machine with the server it measures.
+    if words <= 0:
         return ""
-    rng = random.Random(f"system-{cfg.seed}")
+    rng = random.Random(f"system-{seed}")
     head = "You are the assistant of a travel app. Answer briefly and kindly, and follow these notes:"
-    n = max(0, cfg.system_words - len(head.split()))
+    n = max(0, words - len(head.split()))
     return " ".join([head, *(rng.choice(WORDS) for _ in range(n))])
 
 

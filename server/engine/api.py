@@ -65,6 +65,9 @@ class GenerationRequest:
     session: str = ""  # the chat session: an engine with prefix reuse keeps its KV between turns
     user: str = ""  # whose request (the owner): the batching engine shares itself fairly among users
     weight: float = 1.0  # the user's fair-share weight (JWT tier): 2 gets twice the service of 1
+    # The caller's prompt_cache_key (OpenAI's; its ``user`` when it sent none): within a pooled owner
+    # (POOLED_OWNERS, strangers to each other) the requests with one key are one caller for prompt reuse.
+    cache_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -325,6 +325,7 @@ class BatchingEngine(ThreadedEngine):
                 session=req.session,
                 user=req.user,
                 weight=req.weight,
+                cache_key=req.cache_key,
             )
         except QueueFull as exc:  # submit() keeps the queue under its bound; a race may still land here
             outs.append(error_output(req.key, start, "overloaded", str(exc)))

@@ -61,7 +61,7 @@ class CachedPrefix:
     ids: list[int]
     slot: SlotRef | None = None
     kv_len: int = 0
-    user: str = ""  # whose turn it was: its KV is shared past the public prefix with that user only
+    scope: str = ""  # whose turn it was (Seq.scope): its KV is shared past the public prefix with them only
     blocks: list[int] = field(default_factory=list)  # chained block hashes of ``ids`` (scheduler._blocks)
 
 

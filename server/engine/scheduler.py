@@ -58,6 +58,9 @@ class Seq:
     arrival: int  # admission order: lower goes first
     session: str = ""
     user: str = ""  # whose request: fair share is per user
+    # Who its prompt starts are shared with past the public prefix: ``user``, or within a pooled user
+    # one of its callers (its prompt_cache_key: Scheduler.add). Fair share stays per ``user``.
+    scope: str = ""
     offset: int = 0  # completion tokens already emitted (resumed ones included)
     state: State = State.WAITING
     slot: SlotRef | None = None
@@ -175,9 +178,11 @@ class Scheduler:
         session: str = "",
         user: str = "",
         weight: float = 1.0,
+        cache_key: str = "",
     ) -> Seq:
         """Queue a request (prompt already within budget) for ``user`` (fair share: their ``weight``).
-        Raises QueueFull at the waiting bound."""
+        ``cache_key``: within a pooled user (many callers), the requests with one key are one caller for
+        prompt reuse; elsewhere the user already is one. Raises QueueFull at the waiting bound."""
         if len(prompt_ids) + len(resume_ids) >= self.max_context:
             raise ValueError(f"{key}: {len(prompt_ids) + len(resume_ids)} tokens leave no room in any slot")
         if session.startswith(_SESSIONLESS[0]):
@@ -195,6 +200,9 @@ class Scheduler:
             arrival=self._arrivals,
             session=session if self.cfg.prefix_reuse else "",
             user=user,
+            # NUL never occurs in an owner (a JWT sub, "http:<hex>", the anonymous owner): the pair is
+            # unambiguous, and never a pooled name.
+            scope=f"{user}\0{cache_key}" if cache_key and user in self.cfg.pooled_users else user,
             offset=len(resume_ids),
         )
         self._arrivals += 1
@@ -346,19 +354,20 @@ class Scheduler:
         # conversation each time) is kept too where another request could use its start: the same
         # caller's next turn takes it over (_admit). Either way it holds a slot nobody runs in, the
         # first to go (LRU) when a running sequence needs one.
-        name = seq.session or (_SESSIONLESS + seq.key if self._may_share_past_public(seq.user) else "")
+        name = seq.session or (_SESSIONLESS + seq.key if self._may_share_past_public(seq.scope) else "")
         if name and seq.kv_len > 0:
             # Its ids are the sequence's first kv_len tokens: their whole blocks' hashes carry over.
             ids = seq.tokens[: seq.kv_len]
-            keep = CachedPrefix(name, ids, user=seq.user, blocks=seq.blocks[: seq.kv_len // BLOCK])
+            keep = CachedPrefix(name, ids, scope=seq.scope, blocks=seq.blocks[: seq.kv_len // BLOCK])
         self.table.release(seq, keep)
 
-    def _may_share_past_public(self, user: str) -> bool:
-        """Whether a prompt start of ``user``'s can be copied past the public prefix by anyone (their own
-        requests, or everyone's in one tenant): only then is a finished sessionless turn worth keeping."""
+    def _may_share_past_public(self, scope: str) -> bool:
+        """Whether a prompt start of ``scope``'s (Seq.scope) can be copied past the public prefix by anyone
+        (that caller's own requests, or everyone's in one tenant): only then is a finished sessionless
+        turn worth keeping."""
         if self.cfg.share_min_tokens <= 0 or not self.cfg.prefix_reuse:
             return False
-        return self.cfg.share_across_users or user not in self.cfg.pooled_users
+        return self.cfg.share_across_users or scope not in self.cfg.pooled_users
 
     def _admit(self, seq: Seq) -> bool:
         """Give the head of the queue a slot: its session's cached prefix when it matches (taken over), or
@@ -374,7 +383,7 @@ class Scheduler:
             self.table.drop_prefix(prefix)
         best, donor = self._find_donor(seq)
         if isinstance(donor, CachedPrefix):
-            if donor.session.startswith(_SESSIONLESS) and donor.user == seq.user:
+            if donor.session.startswith(_SESSIONLESS) and donor.scope == seq.scope:
                 # The caller's own finished turn (no session: an HTTP conversation sends its history
                 # again): its next turn takes the slot over, as a session's does, rather than copy it and
                 # keep both.
@@ -419,14 +428,14 @@ class Scheduler:
             return 0, None
         cap = len(seq.tokens) - 1  # its last token is always fed: its logits are the first draw
         public = common_prefix(self.cfg.public_prefix, seq.tokens, cap)
-        own = seq.user not in self.cfg.pooled_users  # one caller: its requests share with each other
+        own = seq.scope not in self.cfg.pooled_users  # one caller: its requests share with each other
         tenant = self.cfg.share_across_users
         best, found = self.cfg.share_min_tokens - 1, None
         donors: list[Seq | CachedPrefix] = [*self.running, *self.table.prefixes.values()]
         for d in donors:
             if d is seq or d.slot is None or d.kv_len <= best:
                 continue
-            limit = min(d.kv_len, cap if tenant or (own and d.user == seq.user) else public)
+            limit = min(d.kv_len, cap if tenant or (own and d.scope == seq.scope) else public)
             if limit <= best:
                 continue
             n = _shared_len(_ids(d), d.blocks, seq.tokens, seq.blocks, limit)

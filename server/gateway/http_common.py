@@ -202,6 +202,18 @@ def check_fields(body: dict[str, Any], supported: set[str], neutral: dict[str, A
         )
 
 
+def prompt_cache_key(body: dict[str, Any]) -> str:
+    """OpenAI's ``prompt_cache_key``, else its ``user`` (which it replaces), checked: a string of at most
+    256 characters. Requests of one owner with one key go to one worker (its kept turns, in a cluster);
+    keyless callers while auth is off are one caller per key for prompt reuse (SPEC App. A). ``safety_
+    identifier`` is checked the same way and not used (tokenwire has no abuse detection)."""
+    for field in ("prompt_cache_key", "user", "safety_identifier"):
+        value = body.get(field)
+        if value is not None and (not isinstance(value, str) or len(value) > 256):
+            raise bad(f"{field}: a string of at most 256 characters", param=field)
+    return str(body.get("prompt_cache_key") or body.get("user") or "")
+
+
 def check_metadata(metadata: object) -> dict[str, str]:
     """OpenAI's ``metadata``: at most 16 short string pairs."""
     if metadata is None:
@@ -328,6 +340,7 @@ class HttpCore:
         kind: str,
         extra: dict[str, Any],
         background: bool = False,
+        cache_key: str = "",
     ) -> Submitted:
         """Create the request (or attach to the one with this id) through the same path as a WebSocket
         ``chat`` (submit.py): the same defaults, model choice, degradation ladder, response cache and
@@ -345,6 +358,7 @@ class HttpCore:
                     # Nobody has to stay attached to a background response: it lives until it ends (or
                     # the store's bound on unfinished requests), like a job.
                     detach_timeout_ms=self.core.store.settings.unfinished_ttl_ms if background else None,
+                    prompt_cache_key=cache_key,
                 ),
                 grant,
             )

@@ -24,6 +24,7 @@ from server.gateway.http_common import (
     check_metadata,
     entry_error,
     json_response,
+    prompt_cache_key,
     sse,
     text_content,
     usage,
@@ -59,6 +60,8 @@ SUPPORTED = {
     "stream",
     "stream_options",
     "user",
+    "prompt_cache_key",
+    "safety_identifier",
     "metadata",  # accepted and kept with the request, as OpenAI does (not echoed: OpenAI does not either)
     "frequency_penalty",
     "presence_penalty",
@@ -113,9 +116,7 @@ class ChatCompletions:
             if iu is not None and not isinstance(iu, bool):
                 raise bad("stream_options.include_usage: expected a boolean", param="stream_options")
             include_usage = bool(iu)
-        user = body.get("user")
-        if user is not None and (not isinstance(user, str) or len(user) > 256):
-            raise bad("user: a string of at most 256 characters", param="user")
+        cache_key = prompt_cache_key(body)
         params: dict[str, Any] = {}
         mt, mct = body.get("max_tokens"), body.get("max_completion_tokens")
         if mt is not None and mct is not None and mt != mct:
@@ -142,7 +143,7 @@ class ChatCompletions:
         try:
             extra = {"metadata": metadata} if metadata else {}
             model = (
-                await api.submit(caller, chat, grant, kind="chat", extra=extra)
+                await api.submit(caller, chat, grant, kind="chat", extra=extra, cache_key=cache_key)
             ).model  # after any fallback
             cid = f"chatcmpl-{id}"
             created = int(time.time())

@@ -44,7 +44,15 @@ class Responses:
         # The one admission step; a background response that is not streamed holds no stream.
         grant = await api.admit(caller, id, stream=stream or not background, chat=plan.chat)
         try:
-            await api.submit(caller, plan.chat, grant, kind=kind, extra=plan.extra, background=background)
+            await api.submit(
+                caller,
+                plan.chat,
+                grant,
+                kind=kind,
+                extra=plan.extra,
+                background=background,
+                cache_key=plan.cache_key,
+            )
             rid = PREFIX + id
             if stream:
                 resp = HttpResponse(

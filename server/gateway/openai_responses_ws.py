@@ -142,7 +142,9 @@ class ResponsesSocket:
             return
         try:
             extra = {**plan.extra, "stream_id": lane} if lane is not None else plan.extra
-            await self.api.submit(self.caller, plan.chat, grant, kind="responses", extra=extra)
+            await self.api.submit(
+                self.caller, plan.chat, grant, kind="responses", extra=extra, cache_key=plan.cache_key
+            )
         except BaseException:
             grant.release()
             raise

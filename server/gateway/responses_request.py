@@ -18,6 +18,7 @@ from server.gateway.http_common import (
     bad,
     check_fields,
     check_metadata,
+    prompt_cache_key,
     text_content,
 )
 from server.gateway.responses_events import PREFIX
@@ -36,6 +37,8 @@ SUPPORTED = {
     "previous_response_id",
     "store",
     "user",
+    "prompt_cache_key",
+    "safety_identifier",
     "metadata",
 }
 NEUTRAL: dict[str, Any] = {
@@ -119,6 +122,7 @@ class CreatePlan:
     conversation: list[dict[str, str]]
     stream: bool
     background: bool
+    cache_key: str  # http_common.prompt_cache_key
 
 
 async def plan_create(
@@ -151,6 +155,7 @@ async def plan_create(
     if instructions is not None and not isinstance(instructions, str):
         raise bad("instructions: expected a string", param="instructions")
     metadata = check_metadata(body.get("metadata"))
+    cache_key = prompt_cache_key(body)
     history: list[dict[str, str]] = []
     prev_id = body.get("previous_response_id")
     if prev_id is not None:
@@ -190,4 +195,4 @@ async def plan_create(
         "top_p": body.get("top_p"),
         "metadata": metadata,
     }
-    return CreatePlan(chat, extra, history + new, stream, background)
+    return CreatePlan(chat, extra, history + new, stream, background, cache_key)

@@ -53,6 +53,9 @@ class ChatRequest:
     turn_after: str | None = None  # content mode: the session's previous turn, waited for
     extra: dict[str, Any] = field(default_factory=dict)  # more payload (the HTTP API's own fields)
     detach_timeout_ms: int | None = None  # a background HTTP response: nobody needs to stay attached
+    # OpenAI's prompt_cache_key (or its user): the requests of one owner with one key go to one worker,
+    # and within a pooled owner they are one caller for prompt reuse (engine/api.GenerationRequest).
+    prompt_cache_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,11 +216,15 @@ class Submitter:
         }
         if grant.weight != 1.0:
             payload["weight"] = grant.weight  # the worker's engine shares itself by weighted service
+        if req.prompt_cache_key:
+            payload["prompt_cache_key"] = req.prompt_cache_key
         cache_key = (
             response_cache_key(messages, params, req.chat.params, model.name) if st.response_cache else ""
         )
-        # Session affinity (a worker whose KV cache holds the earlier turns) for the default model only.
-        prefer = await self.router.prefer(req.session) if req.session and not model.route else ""
+        # Session affinity (a worker whose KV cache holds the earlier turns) for the default model only;
+        # a conversation without a session (the OpenAI doors) has it by its prompt_cache_key.
+        place = req.session or (f"\0key\0{req.owner}\0{req.prompt_cache_key}" if req.prompt_cache_key else "")
+        prefer = await self.router.prefer(place) if place and not model.route else ""
         res = await self.store.submit(
             req.owner,
             req.chat.id,

@@ -102,6 +102,20 @@ def system_prompt(cfg: LoadConfig) -> str:
     return _system_text(cfg.system_words, cfg.seed)
 
 
+def openai_headers(cfg: LoadConfig) -> dict[str, str]:
+    """The OpenAI doors' Authorization: ``--token``, else a fixed load key (every user one owner), or none
+    with ``--keyless`` (the server's one anonymous owner while auth is off, as keyless apps are)."""
+    return {} if cfg.keyless else {"Authorization": f"Bearer {cfg.token or 'tokenwire-load'}"}
+
+
+def openai_cache_key(cfg: LoadConfig, user: int, conversation: int) -> dict[str, str]:
+    """With ``--prompt-cache-key``, the body field naming this conversation (OpenAI's
+    ``prompt_cache_key``): the run's seed, the user and the conversation."""
+    if not cfg.prompt_cache_key:
+        return {}
+    return {"prompt_cache_key": f"load-{cfg.seed}-{user}-{conversation}"}
+
+
 @functools.cache
 def _system_text(words: int, seed: int) -> str:
     # Drawn once per run, not once per conversation: up to 4,000 words, and the load client shares the

@@ -20,7 +20,14 @@ from urllib.parse import urlsplit
 
 import h11
 
-from server.load.conversation import RequestRecord, conversation_rng, draw_request, system_prompt
+from server.load.conversation import (
+    RequestRecord,
+    conversation_rng,
+    draw_request,
+    openai_cache_key,
+    openai_headers,
+    system_prompt,
+)
 from server.load.runner import ConversationRunner, RunState
 from server.load.wire import Tally, chunked_overhead
 
@@ -121,7 +128,7 @@ async def _request(st: RunState, conn: _Http, path: str, rec: RequestRecord, bod
     cfg = st.cfg
     headers = [
         ("Content-Type", "application/json"),
-        ("Authorization", f"Bearer {cfg.token or 'tokenwire-load'}"),
+        *openai_headers(cfg).items(),
         ("Idempotency-Key", rec.id),
     ]
     text: list[str] = []
@@ -214,6 +221,7 @@ def openai_conversation(state: RunState) -> ConversationRunner:
                     "seed": chat.params.seed,
                     "stream": True,
                     "stream_options": {"include_usage": True},
+                    **openai_cache_key(cfg, user, conversation),
                 }
                 if chat.params.cache is False:
                     body["cache"] = False  # tokenwire's extension (others ignore it): generate, never replay

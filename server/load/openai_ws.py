@@ -24,7 +24,14 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
 from server.load.connection import ws_header_bytes
-from server.load.conversation import RequestRecord, conversation_rng, draw_request, system_prompt
+from server.load.conversation import (
+    RequestRecord,
+    conversation_rng,
+    draw_request,
+    openai_cache_key,
+    openai_headers,
+    system_prompt,
+)
 from server.load.runner import ConversationRunner, RunState
 from server.load.wire import Tally
 
@@ -112,7 +119,7 @@ def openai_ws_conversation(state: RunState) -> ConversationRunner:
     cfg = state.cfg
     url = endpoint(cfg.url)
     state.saw_server(urlsplit(url).netloc)
-    headers = {"Authorization": f"Bearer {cfg.token or 'tokenwire-load'}"}
+    headers = openai_headers(cfg)
 
     async def run(user: int, conversation: int) -> None:
         rng = conversation_rng(cfg.seed, user, conversation)
@@ -133,6 +140,7 @@ def openai_ws_conversation(state: RunState) -> ConversationRunner:
                     "input": [{"role": "user", "content": chat.content}],
                     "max_output_tokens": chat.params.max_tokens,
                     "temperature": chat.params.temperature,
+                    **openai_cache_key(cfg, user, conversation),
                 }
                 if system:  # instructions are not carried over from the previous response: every turn
                     body["instructions"] = system

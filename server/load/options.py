@@ -100,6 +100,8 @@ class LoadConfig:
     request_timeout: float = 300.0
     connect_concurrency: int = 64
     token: str | None = None
+    keyless: bool = False  # OpenAI doors: no Authorization (the server's anonymous owner, auth off)
+    prompt_cache_key: bool = False  # OpenAI doors: each conversation sends its own prompt_cache_key
     server_pid: int | None = None
     sse_model: str = "SmolLM2-135M-Instruct"
     # tokenwire (WebSocket) | openai (streaming chat completions over HTTP) | openai-ws (Responses WebSocket)
@@ -137,6 +139,10 @@ class LoadConfig:
             )
         if self.api != "tokenwire" and (self.idle or self.drop_rate or self.subprotocol != "msgpack"):
             raise ValueError(f"--api {self.api} has no --idle, --drop-rate or --subprotocol (OpenAI streams)")
+        if self.api == "tokenwire" and (self.keyless or self.prompt_cache_key):
+            raise ValueError("--keyless and --prompt-cache-key go with --api openai or openai-ws")
+        if self.keyless and self.token:
+            raise ValueError("--keyless sends no Authorization: not with --token")
 
     def describe(self) -> dict[str, object]:
         """The configuration as plain JSON values (for the report)."""
@@ -162,6 +168,8 @@ class LoadConfig:
             "verify": self.verify,
             "seed": self.seed,
             "api": self.api,
+            "keyless": self.keyless,
+            "prompt_cache_key": self.prompt_cache_key,
         }
 
 
@@ -248,6 +256,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ask for at most one delta per stream every N ms (hello.coalesce_ms, 0-1000; default 0)",
     )
     w.add_argument("--token", help="JWT for servers with auth on")
+    w.add_argument(
+        "--keyless",
+        action="store_true",
+        help="with --api openai or openai-ws: send no Authorization (every user the server's one anonymous "
+        "owner, auth off, as keyless apps are; default: one fixed load key, so every user one owner)",
+    )
+    w.add_argument(
+        "--prompt-cache-key",
+        action="store_true",
+        help="with --api openai or openai-ws: each conversation sends its own prompt_cache_key (OpenAI's)",
+    )
     w.add_argument(
         "--scenario",
         choices=(*SCENARIOS, "soak", "noisy-neighbour", "gateway-loss"),
@@ -366,6 +385,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         request_timeout=args.request_timeout,
         connect_concurrency=args.connect_concurrency,
         token=args.token,
+        keyless=args.keyless,
+        prompt_cache_key=args.prompt_cache_key,
         scenario=args.scenario,
         server_pid=args.server_pid,
         sse_model=args.sse_model,

@@ -515,7 +515,7 @@ def test_a_callers_next_turn_takes_its_kept_turn_over_even_when_slots_are_short(
         run_into(outs, s, r)
         check_stream(outs[key], reference(tokens, 5))
         history = [*tokens, *(t for o in outs[key] for t in o.token_ids)]
-        kept = sorted(p.user for p in s.table.prefixes.values())
+        kept = sorted(p.scope for p in s.table.prefixes.values())
         assert kept == ["u", "v"], turn  # u's latest turn only, and the stranger's untouched
 
 
@@ -587,6 +587,34 @@ def test_pooled_owners_are_strangers_even_to_each_other() -> None:
         step(s, r)
         assert s.by_key["b"].reused == 10, user
         run(s, r)
+
+
+def test_a_cache_key_makes_one_caller_within_a_pooled_owner_only() -> None:
+    """OpenAI's ``prompt_cache_key``: a pooled owner's requests with one key share any common start and
+    keep their finished turns for the next; another key, or none, gets the public prefix only. A caller
+    that is already one (a user) shares across its keys as before. Fair share stays per owner."""
+    anon = sorted(POOLED_OWNERS)[-1]
+    first = HEAD + prompt(6, 1)
+    for user, key2, expected in (
+        (anon, "k", "all"),  # same key: its own kept turn, taken over
+        (anon, "other", 10),  # another key: a stranger
+        (anon, "", 10),  # no key: the pooled owner, a stranger
+        ("u", "other", "all"),  # a user is one caller whatever its keys
+    ):
+        s, r = make(((4, 128),), prefill_tokens=256, share=8, public=HEAD[:10])
+        s.add("t1", first, greedy(10), user=user, cache_key="k")
+        outs = run(s, r)
+        assert len(s.table.prefixes) == 1, user  # kept: someone could copy past the public prefix
+        reply = [t for o in outs["t1"] for t in o.token_ids]
+        second = [*first, *reply, *prompt(5, 2)]
+        s.add("t2", second, greedy(6), user=user, cache_key=key2)
+        step_into(outs, s, r)
+        want = len(first) + len(reply) - 1 if expected == "all" else expected
+        assert s.by_key["t2"].reused == want, (user, key2)
+        assert s.by_key["t2"].user == user  # fair share: still the owner's
+        run_into(outs, s, r)
+        check_stream(outs["t2"], reference(second, 6))
+        assert {o.cached_tokens for o in outs["t2"]} == {want}
 
 
 def test_long_shared_starts_are_found_by_block_and_checked_token_by_token(

@@ -442,3 +442,63 @@ async def test_what_an_openai_client_sends_is_how_it_samples(server: Running) ->
     with pytest.raises(openai.BadRequestError) as ei:
         await chat("bad", frequency_penalty=3)
     assert ei.value.param == "frequency_penalty"
+
+
+async def test_prompt_cache_key_is_checked_carried_and_routes(server: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenAI's ``prompt_cache_key`` (else its ``user``) reaches the worker with the request, on chat
+    completions and on both Responses doors, and names the conversation for worker affinity (one owner's
+    key, never another owner's); ``safety_identifier`` is accepted. A key that is not a short string is
+    a 400 naming it, on every door, and nothing is generated."""
+    routed: list[str] = []
+    router = server.gateway.core.submitter.router
+    prefer = router.prefer
+
+    async def spy(place: str) -> str:
+        routed.append(place)
+        return await prefer(place)
+
+    monkeypatch.setattr(router, "prefer", spy)
+    client = sdk(server)
+    owner = "http:" + hashlib.sha256(b"k-test").hexdigest()[:32]
+    msgs = [{"role": "user", "content": "x"}]
+
+    async def chat(key: str, **kw: object) -> object:
+        await client.chat.completions.create(
+            model="default",
+            messages=msgs,  # type: ignore[arg-type]
+            max_tokens=2,
+            extra_headers={"Idempotency-Key": key},
+            **kw,  # type: ignore[arg-type]
+        )
+        view = await server.store.view(owner, key)
+        assert view is not None
+        return view.payload.get("prompt_cache_key")
+
+    assert await chat("c1", prompt_cache_key="conv-1") == "conv-1"
+    assert routed[-1] == f"\0key\0{owner}\0conv-1"
+    assert await chat("c2", user="end-user-7", safety_identifier="h-7") == "end-user-7"
+    assert await chat("c3", user="end-user-7", prompt_cache_key="conv-2") == "conv-2"
+    n = len(routed)
+    assert await chat("c4") is None
+    assert routed[n:] == []  # nothing to route by: the shared queue
+    r = await client.responses.create(model="default", input="x", max_output_tokens=2, prompt_cache_key="r-1")
+    view = await server.store.view(owner, r.id.removeprefix("resp_"))
+    assert view is not None and view.payload["prompt_cache_key"] == "r-1"
+    async with client.responses.connect() as conn:
+        await conn.response.create(model="default", input="x", max_output_tokens=2, prompt_cache_key="w-1")
+        async for ev in conn:
+            if ev.type in ("response.completed", "response.incomplete"):
+                rid = ev.response.id
+                break
+    view = await server.store.view(owner, rid.removeprefix("resp_"))
+    assert view is not None and view.payload["prompt_cache_key"] == "w-1"
+    started = server.engine.requests_started
+    for field, value in (("prompt_cache_key", 5), ("prompt_cache_key", "k" * 257), ("safety_identifier", [])):
+        with pytest.raises(openai.BadRequestError) as ei:
+            await chat(f"bad-{field}", extra_body={field: value})
+        assert ei.value.param == field
+    for field, value in (("prompt_cache_key", {}), ("user", 7)):
+        with pytest.raises(openai.BadRequestError) as ei:
+            await client.responses.create(model="default", input="x", extra_body={field: value})
+        assert ei.value.param == field
+    assert server.engine.requests_started == started

@@ -307,3 +307,45 @@ async def test_load_system_words_sends_one_app_prompt_through_every_door(
         assert pair[0] == pair[1], (a, b, pair)
     for name in ("tokenwire", "engine-only"):  # a session each: the second turn reuses the first
         assert 0 < reps[name]["tokens"]["prompt_cached"] < reps[name]["tokens"]["prompt"], name
+
+
+async def test_keyless_callers_reuse_their_turns_only_with_a_prompt_cache_key(served: ServeProcess) -> None:
+    """``--keyless``: no Authorization, so every conversation is the server's one anonymous owner, whose
+    callers are strangers to each other: a second turn reuses no more than the chat template's opening.
+    With ``--prompt-cache-key`` each conversation names itself, and its second turn reuses its first (the
+    system prompt and more), on both OpenAI doors. Greedy, one user: the same texts either way over chat
+    completions (which the load tool keeps out of the response cache); the Responses runs take other
+    seeds, so that no answer comes from that cache (nothing then is computed at all)."""
+    http = served.url.replace("ws://", "http://").removesuffix("/ws")
+
+    def cfg(**kw: Any) -> LoadConfig:
+        return LoadConfig(
+            url=http,
+            users=1,
+            turns=2,
+            requests=4,
+            temperature=0.0,
+            max_tokens=Dist("uniform", 4, 12),
+            prompt_words=Dist("uniform", 4, 12),
+            system_words=40,
+            keyless=True,
+            **kw,
+        )
+
+    for api, seeds in (("openai", (17, 17)), ("openai-ws", (18, 19))):
+        plain = await run(cfg(api=api, seed=seeds[0]), progress=False)
+        keyed = await run(cfg(api=api, seed=seeds[1], prompt_cache_key=True), progress=False)
+        for rep in (plain, keyed):
+            assert rep["requests"]["ok"] == 4, (api, rep["requests"])
+            assert rep["tokens"]["prompt_cached"] < rep["tokens"]["prompt"] // 2, api  # first turns computed
+        assert keyed["config"]["prompt_cache_key"] and keyed["config"]["keyless"]
+        tk, ref = keyed["tokens"], plain["tokens"]
+        if seeds[0] == seeds[1]:
+            assert (tk["prompt"], tk["completion"]) == (ref["prompt"], ref["completion"]), api
+        # Two second turns, each reusing at least its 40-word system prompt; without keys far less.
+        assert tk["prompt_cached"] >= 2 * 40, (api, tk)
+        assert ref["prompt_cached"] < tk["prompt_cached"] // 4, (api, ref, tk)
+    with pytest.raises(ValueError, match="keyless"):
+        cfg(api="tokenwire")
+    with pytest.raises(ValueError, match="--token"):
+        cfg(api="openai", token="t")

@@ -257,6 +257,20 @@ def _sharing_run(work: Path, quick: bool) -> dict[str, Any]:
             s.http_url, work / "sharing-http.json", "--api", "openai", "--token", token, "--users", users,
             "--requests", str(int(n_req) * 4 // 3), *SHARING_HTTP,
         )  # fmt: skip
+    # Keyless callers with auth off (one anonymous owner, strangers to each other) without and with a
+    # prompt_cache_key per conversation, alternated; each round's pair on its own seed (a keyed run's kept
+    # turns are never there for the next keyed run: the keys differ by seed).
+    out["keyless"], out["keyless_key"] = [], []
+    with _Server([*base, "--data-dir", str(work / "sharing-keyless")], "tokenwire ready") as s:
+        for i in range(SHARING_ROUNDS):
+            for mode, flags in (("keyless", []), ("keyless_key", ["--prompt-cache-key"])):
+                out[mode].append(
+                    _load(
+                        s.http_url, work / f"sharing-{mode}-{i}.json", "--api", "openai", "--keyless", *flags,
+                        "--users", users, "--requests", str(int(n_req) * 4 // 3), "--seed", str(i + 1),
+                        *SHARING_HTTP,
+                    )
+                )  # fmt: skip
     return {"sharing": out}
 
 
@@ -969,7 +983,13 @@ def _render_sharing(sh: dict[str, Any] | None) -> list[str]:
         " WebSocket, against two `tokenwire serve`: `--prompt-sharing public` (across users only the chat"
         " template's opening) and `tenant` (any common start), alternated. Then OpenAI-style conversations"
         " of 4 turns over the HTTP API with auth on (one caller; the whole history every turn, no session),"
-        " against the default server. `cached` is the sum of the usage's `cached_tokens`: prompt tokens"
+        " against the default server"
+        + (
+            ", and keyless (auth off) without and with a `prompt_cache_key` per conversation, alternated"
+            if sh.get("keyless")
+            else ""
+        )
+        + ". `cached` is the sum of the usage's `cached_tokens`: prompt tokens"
         " copied, not computed.",
         "",
         "| run | ok | tok/s | TTFT p50 ms | TTFT p99 ms | prompt tokens | cached |",
@@ -979,10 +999,25 @@ def _render_sharing(sh: dict[str, Any] | None) -> list[str]:
         lines += [row(f"{mode}, round {i + 1}", x) for i, x in enumerate(sh[mode])]
     if sh.get("http"):
         lines.append(row("HTTP, 4 turns, auth", sh["http"]))
+    for mode, label in (
+        ("keyless", "HTTP, 4 turns, keyless"),
+        ("keyless_key", "HTTP, 4 turns, keyless + key"),
+    ):
+        lines += [row(f"{label}, round {i + 1}", x) for i, x in enumerate(sh.get(mode) or ())]
     pub = median(sh["public"], lambda x: x["ttft_ms"]["p50"])
     ten = median(sh["tenant"], lambda x: x["ttft_ms"]["p50"])
     if pub and ten:
         lines += ["", f"Median TTFT p50: tenant / public **{ten / pub:.2f}x**."]
+    plain = median(sh.get("keyless") or [], lambda x: x["ttft_ms"]["p50"])
+    keyed = median(sh.get("keyless_key") or [], lambda x: x["ttft_ms"]["p50"])
+    if plain and keyed:
+        lines += [
+            "",
+            "Keyless callers with auth off are one anonymous owner whose callers are strangers to each other;"
+            " with OpenAI's `prompt_cache_key` (one per conversation, `tokenwire load --keyless"
+            f" --prompt-cache-key`) each conversation is one caller. Median TTFT p50: with key / without"
+            f" **{keyed / plain:.2f}x**.",
+        ]
     return lines
 
 

@@ -444,7 +444,9 @@ async def test_what_an_openai_client_sends_is_how_it_samples(server: Running) ->
     assert ei.value.param == "frequency_penalty"
 
 
-async def test_prompt_cache_key_is_checked_carried_and_routes(server: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_prompt_cache_key_is_checked_carried_and_routes(
+    server: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """OpenAI's ``prompt_cache_key`` (else its ``user``) reaches the worker with the request, on chat
     completions and on both Responses doors, and names the conversation for worker affinity (one owner's
     key, never another owner's); ``safety_identifier`` is accepted. A key that is not a short string is

@@ -333,9 +333,17 @@ def test_benchmarks_md_shows_prompt_reuse_by_sharing_mode() -> None:
         "tenant": [run(100.0, 400.0, 11_000, 10_000), run(96.0, 360.0, 11_000, 9_900)],
         "http": run(80.0, 600.0, 13_000, 10_000),
     }
+    assert "keyless" not in "\n".join(_render_sharing(sh))  # measured before the keyless runs existed
+    sh["keyless"] = [run(60.0, 1000.0, 13_000, 0), run(62.0, 1200.0, 13_000, 0)]
+    sh["keyless_key"] = [run(80.0, 500.0, 13_000, 10_000), run(82.0, 600.0, 13_000, 10_100)]
     text = "\n".join(_render_sharing(sh))
     assert "| public, round 1 | 48 / 48 | 50.0 | 1600 | 6400 | 11,000 | 0 (0 %) |" in text
     assert "| tenant, round 2 | 48 / 48 | 96.0 | 360 | 1440 | 11,000 | 9,900 (90 %) |" in text
     assert "| HTTP, 4 turns, auth | 48 / 48 | 80.0 | 600 | 2400 | 13,000 | 10,000 (77 %) |" in text
     assert "tenant / public **0.25x**" in text  # medians: 380 / 1500
+    assert (
+        "| HTTP, 4 turns, keyless + key, round 2 | 48 / 48 | 82.0 | 600 | 2400 | 13,000 | 10,100 (78 %) |"
+        in text
+    )
+    assert "with key / without **0.50x**" in text  # medians: 550 / 1100
     assert _render_sharing(None) == []  # never measured: no section

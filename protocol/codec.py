@@ -30,6 +30,14 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
+def unicode_only(obj: object) -> object:
+    """``obj`` (parsed JSON) as it is, or ValueError (UnicodeEncodeError) where a string in it holds a
+    lone surrogate: JSON escapes ("\\ud800", and json's decoding of bytes) can spell them, and they are
+    not Unicode text, so they would fail later, when a reply, a hash or the store encodes the string."""
+    json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    return obj
+
+
 @dataclass(frozen=True, slots=True)
 class Codec:
     """Encodes maps to WebSocket message payloads and back for one subprotocol."""
@@ -61,10 +69,9 @@ class Codec:
                 ErrorCode.BAD_FRAME, f"binary message on {JSON_SUBPROTOCOL}: send text JSON frames"
             )
         try:
-            obj = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
-            # JSON escapes can spell lone surrogates ("\ud800"), which are not Unicode text: refuse them
-            # here rather than fail later when the string is encoded for a reply or the store.
-            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+            obj = unicode_only(
+                json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+            )
         except (ValueError, RecursionError) as exc:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"invalid JSON: {exc}"[:200]) from None
         return obj

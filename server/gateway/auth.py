@@ -42,6 +42,8 @@ def authenticate_user(token: str | None, secret: str | None) -> tuple[str | None
     except jwt.InvalidTokenError as exc:
         raise ProtocolError(ErrorCode.UNAUTHORIZED, f"hello.token: invalid JWT ({exc})"[:200]) from None
     sub = claims["sub"]
-    if not isinstance(sub, str) or not sub:
-        raise ProtocolError(ErrorCode.UNAUTHORIZED, "hello.token: sub must be a non-empty string")
+    # No NUL: the engine names a keyless caller's prompt_cache_key scope "<owner>\0<key>"
+    # (engine/scheduler.Seq.scope), which no user's name may spell.
+    if not isinstance(sub, str) or not sub or "\0" in sub:
+        raise ProtocolError(ErrorCode.UNAUTHORIZED, "hello.token: sub must be a non-empty string without NUL")
     return sub, tier_weight(claims.get("tier"))

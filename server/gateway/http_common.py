@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
+from protocol.codec import unicode_only
 from protocol.frames import MAX_MODEL_CHARS
 from server.defaults import ANONYMOUS_HTTP_OWNER
 from server.gateway.admission import Ask, ConnectionLimits, Grant, Kind
@@ -277,7 +278,7 @@ class HttpCore:
         if ctype != "application/json":
             raise bad(f"Content-Type must be application/json, not {ctype[:60]!r}")
         try:
-            body = json.loads(req.body, parse_constant=_no_constant)
+            body = loads(req.body)
         except (ValueError, RecursionError) as exc:
             raise bad(f"the body is not valid JSON: {exc}"[:200]) from None
         if not isinstance(body, dict):
@@ -402,6 +403,12 @@ class HttpCore:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def loads(data: str | bytes) -> Any:
+    """JSON from a client of the OpenAI doors: ValueError for NaN and Infinity, and for lone surrogates
+    (protocol.codec.unicode_only), which would fail later, when the text is hashed or stored."""
+    return unicode_only(json.loads(data, parse_constant=_no_constant))
 
 
 def usage(end: LogEntry) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from websockets.asyncio.server import ServerConnection as WebSocket
 from websockets.exceptions import ConnectionClosed
 
 from server.gateway.admission import Grant
-from server.gateway.http_common import ApiError, Caller, HttpCore, bad
+from server.gateway.http_common import ApiError, Caller, HttpCore, bad, loads
 from server.gateway.ingress import pace, peer_address
 from server.gateway.responses_events import (
     PREFIX,
@@ -92,7 +92,7 @@ class ResponsesSocket:
         lane: Lane = None
         try:
             try:
-                body = json.loads(message)
+                body = loads(message)
             except (ValueError, RecursionError):
                 raise bad("the event is not valid JSON") from None
             if not isinstance(body, dict):

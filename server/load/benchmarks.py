@@ -229,8 +229,10 @@ def _sharing_run(work: Path, quick: bool) -> dict[str, Any]:
     """Prompt KV reuse as the usage reports it (``cached_tokens``): users under one app's system prompt
     against two servers, ``--prompt-sharing public`` and ``tenant``, alternated over SHARING_ROUNDS
     rounds (both servers up, one loaded at a time); then OpenAI-style conversations over HTTP with auth on
-    (one caller), whose later turns copy their own history's KV."""
+    (one caller), whose later turns copy their own history's KV; then keyless ones (auth off) without and
+    with a prompt_cache_key per conversation."""
     users, n_req = ("8", "16") if quick else ("16", "48")
+    http_req = str(int(n_req) * 4 // 3)  # 4-turn conversations: whole ones
     out: dict[str, Any] = {"public": [], "tenant": [], "users": int(users)}
     base = ["serve", "--port", "0", "--log-level", "warning"]
     with (
@@ -255,19 +257,21 @@ def _sharing_run(work: Path, quick: bool) -> dict[str, Any]:
     with _Server([*base, *http_args], "tokenwire ready") as s:
         out["http"] = _load(
             s.http_url, work / "sharing-http.json", "--api", "openai", "--token", token, "--users", users,
-            "--requests", str(int(n_req) * 4 // 3), *SHARING_HTTP,
+            "--requests", http_req, *SHARING_HTTP,
         )  # fmt: skip
     # Keyless callers with auth off (one anonymous owner, strangers to each other) without and with a
-    # prompt_cache_key per conversation, alternated; each round's pair on its own seed (a keyed run's kept
-    # turns are never there for the next keyed run: the keys differ by seed).
+    # prompt_cache_key per conversation, alternated (round 2 keyed first: neither always meets the fresh
+    # server); each round's pair on its own seed (a keyed run's kept turns are never there for the next
+    # keyed run: the keys differ by seed).
     out["keyless"], out["keyless_key"] = [], []
+    pair: list[tuple[str, list[str]]] = [("keyless", []), ("keyless_key", ["--prompt-cache-key"])]
     with _Server([*base, "--data-dir", str(work / "sharing-keyless")], "tokenwire ready") as s:
         for i in range(SHARING_ROUNDS):
-            for mode, flags in (("keyless", []), ("keyless_key", ["--prompt-cache-key"])):
+            for mode, flags in pair if i % 2 == 0 else pair[::-1]:
                 out[mode].append(
                     _load(
                         s.http_url, work / f"sharing-{mode}-{i}.json", "--api", "openai", "--keyless", *flags,
-                        "--users", users, "--requests", str(int(n_req) * 4 // 3), "--seed", str(i + 1),
+                        "--users", users, "--requests", http_req, "--seed", str(i + 1),
                         *SHARING_HTTP,
                     )
                 )  # fmt: skip

@@ -593,13 +593,15 @@ def test_a_cache_key_makes_one_caller_within_a_pooled_owner_only() -> None:
     """OpenAI's ``prompt_cache_key``: a pooled owner's requests with one key share any common start and
     keep their finished turns for the next; another key, or none, gets the public prefix only. A caller
     that is already one (a user) shares across its keys as before. Fair share stays per owner."""
-    anon = sorted(POOLED_OWNERS)[-1]
+    anon = max(POOLED_OWNERS)
+    assert anon
     first = HEAD + prompt(6, 1)
     for user, key2, expected in (
         (anon, "k", "all"),  # same key: its own kept turn, taken over
         (anon, "other", 10),  # another key: a stranger
         (anon, "", 10),  # no key: the pooled owner, a stranger
         ("u", "other", "all"),  # a user is one caller whatever its keys
+        ("", "k", "all"),  # the other pooled owner (a request with none) alike
     ):
         s, r = make(((4, 128),), prefill_tokens=256, share=8, public=HEAD[:10])
         s.add("t1", first, greedy(10), user=user, cache_key="k")

@@ -193,6 +193,19 @@ async def test_bad_bodies_get_documented_4xx_and_nothing_breaks(server: Running)
     assert status == 400
     status, _, body = await raw(port, "POST", "/v1/chat/completions", b"{}", {"Content-Type": "text/plain"})
     assert status == 400
+    # Lone surrogates, escaped or as CESU-8 bytes, are not text: 400, before anything hashes or stores them.
+    for text in (b'"\\ud800"', b'"\xed\xa0\x80"'):
+        for where in (
+            b'"messages":[{"role":"user","content":' + text + b"}]",
+            b'"messages":[], "user":' + text,
+        ):
+            chat = b'{"model":"default",' + where + b"}"
+            status, _, body = await raw(port, "POST", "/v1/chat/completions", chat, json_h)
+            assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"], (chat, body)
+        status, _, body = await raw(
+            port, "POST", "/v1/responses", b'{"model":"default","input":' + text + b"}", json_h
+        )
+        assert status == 400, body
     # The WebSocket door and the plain GETs still answer as before, on the same port.
     status, _, body = await raw(port, "GET", "/healthz")
     assert status == 200 and body == b"ok\n"

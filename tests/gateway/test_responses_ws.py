@@ -165,6 +165,7 @@ async def test_refusals_name_the_field_and_the_socket_stays_usable(server: Runni
             {"temperature": 9},
             {"background": True},
             {"reasoning": {"effort": "high"}},
+            {"prompt_cache_key": "k\ud800"},  # a lone surrogate: not text (a 500 before)
         ]
         for extra in sends:
             await conn.send({"type": "response.create", "model": "default", "input": "x", **extra})  # type: ignore[arg-type,typeddict-item]
@@ -180,6 +181,7 @@ async def test_refusals_name_the_field_and_the_socket_stays_usable(server: Runni
         ("error", "invalid_request_error", "temperature"),
         ("error", "invalid_request_error", "background"),
         ("error", "unsupported_parameter", "reasoning"),
+        ("error", "invalid_request_error", None),
         ("error", "invalid_request_error", "type"),
     ]
     assert "images" in errors[1].error.message and "tools" in errors[0].error.message

@@ -7,6 +7,7 @@ import time
 import jwt
 import pytest
 import redis.asyncio as aioredis
+from openai import AsyncOpenAI
 
 from protocol import Params, ProtocolError
 from server.client import Client, collect
@@ -53,6 +54,9 @@ def test_authenticate_user_reads_the_tier_and_still_requires_sub() -> None:
     assert authenticate_user(None, None) == (None, 1.0)  # auth off: anonymous, weight 1
     with pytest.raises(ProtocolError):
         authenticate_user(jwt.encode({"exp": int(time.time() + 60)}, SECRET, algorithm="HS256"), SECRET)
+    # A NUL could spell a keyless caller's prompt_cache_key scope (engine Seq.scope): refused.
+    with pytest.raises(ProtocolError, match="without NUL"):
+        authenticate_user(token("http:anonymous\0k"), SECRET)
 
 
 class RecordingEngine(FakeEngine):
@@ -77,4 +81,19 @@ async def test_the_owner_and_the_tier_weight_reach_the_engine(
             _, _, done, errors = await collect(c.chat("hi", id=f"{sub}-1", params=Params(max_tokens=3)))
             assert done is not None and not errors
             await c.close()
-    assert [(r.user, r.weight) for r in engine.seen] == [("ann", 4.0), ("bob", 1.0)]
+        # An OpenAI call's prompt_cache_key reaches the engine with its request (ann's, tier and all).
+        sdk = AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key=token("ann", tier="pro"), max_retries=0
+        )
+        await sdk.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            prompt_cache_key="conv-9",
+        )
+        await sdk.close()
+    assert [(r.user, r.weight, r.cache_key) for r in engine.seen] == [
+        ("ann", 4.0, ""),
+        ("bob", 1.0, ""),
+        ("ann", 4.0, "conv-9"),
+    ]

@@ -194,5 +194,7 @@ async def plan_create(
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "metadata": metadata,
+        # Echoed as sent (http_common.prompt_cache_key checked them), kept only when sent.
+        **{k: body[k] for k in ("prompt_cache_key", "safety_identifier", "user") if body.get(k) is not None},
     }
     return CreatePlan(chat, extra, history + new, stream, background, cache_key)

@@ -217,7 +217,9 @@ class Submitter:
         if grant.weight != 1.0:
             payload["weight"] = grant.weight  # the worker's engine shares itself by weighted service
         if req.prompt_cache_key:
-            payload["prompt_cache_key"] = req.prompt_cache_key
+            # Not "prompt_cache_key": a response echoes that field as the client sent it (extra), and
+            # this one may be its user.
+            payload["reuse_key"] = req.prompt_cache_key
         cache_key = (
             response_cache_key(messages, params, req.chat.params, model.name) if st.response_cache else ""
         )

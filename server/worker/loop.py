@@ -395,7 +395,7 @@ class Worker:
             session=p.get("session") or "",
             user=str(p.get("owner") or ""),
             weight=_weight(p.get("weight")),
-            cache_key=str(p.get("prompt_cache_key") or ""),
+            cache_key=str(p.get("reuse_key") or ""),
         )
         task = asyncio.create_task(self._prepare_and_submit(item, request), name=f"prepare-{key}")
         self._preparing.add(task)

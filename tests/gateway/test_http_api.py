@@ -487,7 +487,7 @@ async def test_prompt_cache_key_is_checked_carried_and_routes(
         )
         view = await server.store.view(owner, key)
         assert view is not None
-        return view.payload.get("prompt_cache_key")
+        return view.payload.get("reuse_key")
 
     assert await chat("c1", prompt_cache_key="conv-1") == "conv-1"
     assert routed[-1] == f"\0key\0{owner}\0conv-1"
@@ -498,7 +498,11 @@ async def test_prompt_cache_key_is_checked_carried_and_routes(
     assert routed[n:] == []  # nothing to route by: the shared queue
     r = await client.responses.create(model="default", input="x", max_output_tokens=2, prompt_cache_key="r-1")
     view = await server.store.view(owner, r.id.removeprefix("resp_"))
-    assert view is not None and view.payload["prompt_cache_key"] == "r-1"
+    assert view is not None and view.payload["reuse_key"] == "r-1"
+    assert (r.prompt_cache_key, r.user, r.safety_identifier) == ("r-1", None, None)  # echoed as sent
+    r = await client.responses.create(model="default", input="x", max_output_tokens=2, user="u-2")
+    assert (r.prompt_cache_key, r.user) == (None, "u-2")
+    assert (await client.responses.retrieve(r.id)).user == "u-2"
     async with client.responses.connect() as conn:
         await conn.response.create(model="default", input="x", max_output_tokens=2, prompt_cache_key="w-1")
         async for ev in conn:
@@ -506,7 +510,7 @@ async def test_prompt_cache_key_is_checked_carried_and_routes(
                 rid = ev.response.id
                 break
     view = await server.store.view(owner, rid.removeprefix("resp_"))
-    assert view is not None and view.payload["prompt_cache_key"] == "w-1"
+    assert view is not None and view.payload["reuse_key"] == "w-1"
     started = server.engine.requests_started
     for field, value in (("prompt_cache_key", 5), ("prompt_cache_key", "k" * 257), ("safety_identifier", [])):
         with pytest.raises(openai.BadRequestError) as ei:

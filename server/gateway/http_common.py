@@ -206,8 +206,8 @@ def check_fields(body: dict[str, Any], supported: set[str], neutral: dict[str, A
 def prompt_cache_key(body: dict[str, Any]) -> str:
     """OpenAI's ``prompt_cache_key``, else its ``user`` (which it replaces), checked: a string of at most
     256 characters. Requests of one owner with one key go to one worker (its kept turns, in a cluster);
-    keyless callers while auth is off are one caller per key for prompt reuse (SPEC App. A). ``safety_
-    identifier`` is checked the same way and not used (tokenwire has no abuse detection)."""
+    keyless callers while auth is off are one caller per key for prompt reuse (SPEC App. A).
+    ``safety_identifier`` is checked the same way and not used (tokenwire has no abuse detection)."""
     for field in ("prompt_cache_key", "user", "safety_identifier"):
         value = body.get(field)
         if value is not None and (not isinstance(value, str) or len(value) > 256):

@@ -20,8 +20,10 @@ from tests.conftest import delete_prefix
 from tests.e2e.serve_process import ServeProcess
 
 
-@pytest.fixture
-def served(peaky_model_dir: Path, tmp_path: Path, redis_url: str) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def served(peaky_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[str]:
+    # One server for the module's tests (a start is about 3 s); each test's requests are its own.
+    tmp_path = tmp_path_factory.mktemp("e2e-http")
     prefix = f"twtest:e2e-http:{tmp_path.name}:"
     p = ServeProcess(
         [

@@ -15,6 +15,8 @@ from server.load.options import Dist, LoadConfig
 from tests.conftest import delete_prefix
 from tests.e2e.serve_process import ServeProcess
 
+TRICKLE_S = 5.0  # the served process's HTTP request deadline, which the flood's trickling bodies meet
+
 
 @pytest.fixture(scope="module")
 def served(
@@ -22,7 +24,10 @@ def served(
 ) -> Iterator[ServeProcess]:
     data = tmp_path_factory.mktemp("hostile-serve")
     prefix = f"twtest:hostile:{data.name}:"
-    p = ServeProcess(["--model", str(tiny_model_dir), "--redis-url", redis_url, "--key-prefix", prefix], data)
+    # A 5 s HTTP request deadline (the default is 30): the flood's trickling bodies get their 408 that much
+    # sooner, and the test waits that much less for them (TRICKLE_S below).
+    args = ["--model", str(tiny_model_dir), "--redis-url", redis_url, "--key-prefix", prefix]
+    p = ServeProcess([*args, "--http-request-timeout", str(TRICKLE_S)], data)
     p.start()
     try:
         yield p
@@ -70,7 +75,7 @@ async def test_flood_scenario_answers_every_hostile_frame(
 
     monkeypatch.setattr(flood, "ANSWER_S", 20.0)
     monkeypatch.setattr(flood, "AFTER_S", 0.0)
-    monkeypatch.setattr(flood, "TRICKLE_DEADLINE_S", 30.0)
+    monkeypatch.setattr(flood, "TRICKLE_DEADLINE_S", TRICKLE_S)
     cfg = LoadConfig(
         url=served.url,
         users=2,
@@ -98,4 +103,5 @@ async def test_flood_scenario_answers_every_hostile_frame(
         "http_503",
     }, f["refused"]
     assert f["refused"].get("rate_limited", 0) > 0  # the hostile client hit the limits
+    assert f["refused"].get("http_408", 0) > 0  # a trickled body met the request deadline
     assert f["gateway_rss_growth_mb"] is not None and f["normal_max_gap_over_p99"] is not None

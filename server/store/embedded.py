@@ -35,6 +35,16 @@ def serves_folder(pid: int, folder: Path) -> bool:
     return "valkey" in exe and cwd.resolve() == folder.resolve()
 
 
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie: exited, only not yet reaped by its parent (this very
+    process, when the orphan was its own child), so waiting longer for it changes nothing."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 class EmbeddedValkeyError(RuntimeError):
     """The embedded Valkey did not start; the message says why (its log's last lines)."""
 
@@ -141,7 +151,7 @@ class EmbeddedValkey:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
             for _ in range(100):
-                if not Path(f"/proc/{pid}").exists():
+                if exited(pid):
                     return
                 time.sleep(0.05)
 

@@ -4,11 +4,13 @@ one starts, and nothing else is (a pid file may name a reused pid, even another 
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import redis
 
-from server.store.embedded import EmbeddedValkey
+from server.store.embedded import EmbeddedValkey, exited
 
 
 def _alive(pid: int) -> bool:
@@ -41,10 +43,29 @@ def test_orphan_reaping_touches_only_the_valkey_of_this_folder(tmp_path: Path) -
         again = EmbeddedValkey(ours, persist=False)
         again.start()
         mine = again
-        assert orphan is not None and orphan.wait(5) is not None  # stopped by the reaping; now reaped
+        # Stopped by the reaping with SIGTERM (a clean exit, its AOF flushed), not SIGKILL; reaped here.
+        assert orphan is not None and orphan.wait(5) == 0
         assert not _alive(orphan_pid) and _alive(pid)
         assert redis.Redis.from_url(again.url).ping()
     finally:
         if mine is not None:
             mine.stop()
         other.stop()
+
+
+def test_a_zombie_counts_as_exited() -> None:
+    # An orphan that was this process's own child stays a zombie after it exits until it is reaped; the
+    # reaping must not wait on it (it used to wait 5 s after SIGTERM, then 5 s after SIGKILL).
+    live = subprocess.Popen(["sleep", "30"])
+    done = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + 10
+        while _alive(done.pid):  # until it has exited (a zombie: _alive says no)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert exited(done.pid) and not exited(live.pid)
+    finally:
+        live.kill()
+        live.wait()
+        done.wait()
+    assert exited(done.pid)  # reaped: gone

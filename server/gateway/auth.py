@@ -44,6 +44,18 @@ def authenticate_user(token: str | None, secret: str | None) -> tuple[str | None
     sub = claims["sub"]
     # No NUL: the engine names a keyless caller's prompt_cache_key scope "<owner>\0<key>"
     # (engine/scheduler.Seq.scope), which no user's name may spell.
-    if not isinstance(sub, str) or not sub or "\0" in sub:
-        raise ProtocolError(ErrorCode.UNAUTHORIZED, "hello.token: sub must be a non-empty string without NUL")
+    if not isinstance(sub, str) or not sub or "\0" in sub or not _utf8(sub):
+        raise ProtocolError(
+            ErrorCode.UNAUTHORIZED, "hello.token: sub must be a non-empty Unicode string without NUL"
+        )
     return sub, tier_weight(claims.get("tier"))
+
+
+def _utf8(text: str) -> bool:
+    # A JSON escape in the token can spell a lone surrogate ("\ud800"), which is not Unicode text: as the
+    # user it would fail where the store encodes its keys (a 500 / 1011 instead of unauthorized).
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

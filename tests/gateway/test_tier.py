@@ -57,6 +57,10 @@ def test_authenticate_user_reads_the_tier_and_still_requires_sub() -> None:
     # A NUL could spell a keyless caller's prompt_cache_key scope (engine Seq.scope): refused.
     with pytest.raises(ProtocolError, match="without NUL"):
         authenticate_user(token("http:anonymous\0k"), SECRET)
+    # A lone surrogate (a JSON escape can spell one) is not text: no store key could hold it.
+    for sub in ("\ud800", "ab\udfff"):
+        with pytest.raises(ProtocolError, match="Unicode string"):
+            authenticate_user(token(sub), SECRET)
 
 
 class RecordingEngine(FakeEngine):

@@ -22,6 +22,10 @@ import torch
 
 from server.engine.api import SamplingParams
 
+# The largest logit a penalty makes: finite, and far enough below float32's 3.4e38 that sampling's
+# division by a temperature of 1e-3 or more keeps it finite (sampling._SHIFT_BELOW).
+LOGIT_CAP = 1e30
+
 
 def needs_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
@@ -57,7 +61,10 @@ def apply_penalties(
             penalty = torch.tensor([p.repetition_penalty for p in params], dtype=dt)[r].to(dev)
             r, t = r.to(dev), t.to(dev)
             vals = logits[r, t]
-            logits[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
+            # Capped: a penalty near 0 (SPEC allows any in (0, 2]; 1e-300 is 0 in float32) made a seen
+            # token's logit infinite, and sampling's softmax NaN. At the cap the seen tokens tie.
+            vals = torch.where(vals > 0, vals / penalty, vals * penalty)
+            logits[r, t] = vals.clamp_(-LOGIT_CAP, LOGIT_CAP)
         freq = [i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]
         if freq:
             r, t, counts = _seen(freq, [_valid(tokens[i][n_prompt[i] :], vocab) for i in freq], vocab)

@@ -38,6 +38,10 @@ _M64 = (1 << 64) - 1
 CANDIDATES = (64, 1024)  # candidate-set sizes tried in turn before the whole (sorted) vocabulary
 ADAPTIVE = True  # then a candidate count sized for each row's nucleus (_nucleus_bound) before a full sort
 _BUCKETS = 64  # powers of two below a row's top probability, for _nucleus_bound
+_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32: the least temperature divided by
+# Rows whose temperature is below this are shifted by their maximum before the division: above it no logit
+# a model makes, nor one a penalty capped (penalties.LOGIT_CAP, 1e30), can overflow float32 (3.4e38).
+_SHIFT_BELOW = 1e-3
 
 
 def token_seed(seed: int, offset: int) -> int:
@@ -68,10 +72,19 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequ
     if not rows:
         return out
     vocab = logits.shape[-1]
-    temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
-    # Every row's distribution over the whole vocabulary, in one fused pass: softmax took 0.5 ms for 32
-    # rows of SmolLM2's vocabulary on a 2-core EPYC where the logsumexp and the exp it replaces took 3.6.
-    probs = torch.softmax(take_rows(logits, rows) / temps[:, None], dim=-1)  # [R, V]
+    temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32).clamp_(min=_TINY)
+    picked = take_rows(logits, rows)
+    scaled = picked / temps[:, None]
+    small = temps < _SHIFT_BELOW
+    if bool(small.any()):
+        # SPEC allows any temperature in (0, 2]. Below about 1e-3 a logit over it could overflow to +inf
+        # (1e-40 made any logit over 3e-2 infinite; 5e-324 is 0 in float32) and softmax then gives NaN:
+        # such rows divide their logits less their maximum instead (the same distribution, as softmax
+        # does not change when a row is shifted), so the top token is 0 and the rest finite or -inf.
+        s = small.nonzero().squeeze(1)
+        x = picked.index_select(0, s)
+        scaled[s] = (x - x.max(dim=-1, keepdim=True).values) / temps[s, None]
+    probs = torch.softmax(scaled, dim=-1)  # [R, V]
     top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows])
     top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)
     uniform = torch.tensor([token_uniform(params[i].seed, offsets[i]) for i in rows], dtype=torch.float32)

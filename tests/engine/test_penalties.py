@@ -175,3 +175,18 @@ def test_engine_repetition_penalty_matches_transformers(tiny: LoadedModel) -> No
     plain_ids = [t for o in outs["plain"] for t in o.token_ids]
     penalised = [t for o in outs["p0"] for t in o.token_ids]
     assert len(set(penalised)) > len(set(plain_ids))
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 5e-324, 1e-30])
+def test_a_repetition_penalty_near_zero_leaves_the_logits_finite(penalty: float) -> None:
+    # SPEC allows any repetition_penalty in (0, 2]; a seen token's positive logit divided by one that is 0
+    # in float32 was +inf, and the softmax then NaN. Capped, the seen tokens win, as the formula says.
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, 4.0]])
+    params = [SamplingParams(temperature=1.0, repetition_penalty=penalty, seed=1)]
+    out = apply_penalties(logits, params, [[0, 1, 2]], [3])
+    assert bool(torch.isfinite(out).all())
+    assert out[0, 0] > out[0, 4] and out[0, 2] > out[0, 4] and out[0, 1] <= 0  # seen positives first
+    from server.engine.sampling import sample
+
+    assert sample(out, params, [0])[0] in (0, 2)
+    assert sample(out, [SamplingParams(temperature=0.0, repetition_penalty=penalty)], [0])[0] in (0, 2)

@@ -177,3 +177,16 @@ def test_a_draw_that_rounds_up_to_the_mass_takes_the_last_column_with_weight() -
     assert sampling._inverse_cdf(weights, torch.ones(4)).tolist() == [1, 0, 3, 3]
     assert sampling._inverse_cdf(weights, torch.zeros(4)).tolist() == [0, 0, 3, 0]
     assert sampling._inverse_cdf(weights, torch.tensor([0.6, 0.5, 0.5, 0.3])).tolist() == [1, 0, 3, 1]
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 1e-8])
+def test_a_temperature_near_zero_takes_the_top_token_and_never_nan(temperature: float) -> None:
+    # SPEC allows any temperature in (0, 2]. Below float32's range the division made +inf logits and the
+    # softmax NaN: the draw then picked junk (the same token every step) instead of the near-greedy one.
+    torch.manual_seed(3)
+    logits = torch.randn(6, 500) * 8
+    logits[:, 7] = -torch.inf  # a masked token stays masked
+    top = logits.argmax(dim=-1).tolist()
+    for top_p, top_k in ((1.0, 0), (0.9, 0), (1.0, 40)):
+        params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=s) for s in range(6)]
+        assert sample(logits, params, list(range(6))) == top

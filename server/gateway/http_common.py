@@ -135,11 +135,16 @@ def api_error(exc: ProtocolError) -> ApiError:
     return from_protocol(exc)
 
 
-def from_protocol(exc: ProtocolError) -> ApiError:
-    """A chat the protocol refused, as an HTTP 400 naming the field (``params.x`` → ``x``)."""
+def from_protocol(exc: ProtocolError, names: dict[str, str] | None = None) -> ApiError:
+    """A chat the protocol refused, as an HTTP 400 naming the field (``params.x`` → ``x``, or the body's
+    own name for it in ``names``)."""
     field_name = exc.message.split(":", 1)[0].strip()
     param = field_name.removeprefix("params.") if ":" in exc.message else None
-    return bad(exc.message.replace("params.", ""), param=param)
+    message = exc.message.replace("params.", "")
+    if param is not None and names and param in names:
+        message = names[param] + message[len(param) :]
+        param = names[param]
+    return bad(message, param=param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,13 +305,17 @@ class HttpCore:
         return key, True
 
     @staticmethod
-    def to_chat(id: str, messages: list[dict[str, str]], params: dict[str, Any]) -> Chat:
-        """The tokenwire chat this call means, validated exactly as a WebSocket ``chat`` frame."""
+    def to_chat(
+        id: str, messages: list[dict[str, str]], params: dict[str, Any], names: dict[str, str] | None = None
+    ) -> Chat:
+        """The tokenwire chat this call means, validated exactly as a WebSocket ``chat`` frame. ``names``:
+        the body's name of a ``params`` key where it differs (``max_tokens``: ``max_output_tokens``), so a
+        refusal names the field the caller sent."""
         raw = {"type": "chat", "id": id, "messages": messages, "params": openai_sampling(params)}
         try:
             frame = parse_client_frame(raw)
         except ProtocolError as exc:
-            raise from_protocol(exc) from None
+            raise from_protocol(exc, names or {}) from None
         assert isinstance(frame, Chat)
         return frame
 

@@ -138,7 +138,8 @@ class ChatCompletions:
                 params[key] = body[key]
         params["model"] = model  # chooses the model as params.model does (unknown: 404)
         id, keyed = api.request_id(req)
-        chat = api.to_chat(id, messages, params)
+        names = {"max_tokens": "max_completion_tokens"} if mct is not None else None
+        chat = api.to_chat(id, messages, params, names)
         grant = await api.admit(caller, id, chat=chat)  # the one admission step, before anything is held
         try:
             extra = {"metadata": metadata} if metadata else {}

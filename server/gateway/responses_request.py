@@ -168,8 +168,15 @@ async def plan_create(
             read = prev_id[len(PREFIX) :] if prev_id.startswith(PREFIX) else prev_id
             (await api.admit(caller, read[:64], kind="resume", stream=False, conn=conn)).release()
             prev = await find_response(api, caller, prev_id)
-            if prev.info.state != "done":
+            if prev.info.state in ("queued", "running"):
                 raise bad("previous_response_id: that response has not completed", "previous_response_id")
+            if prev.info.state != "done":  # failed or cancelled: no conversation to continue (SPEC §15.4)
+                raise ApiError(
+                    404,
+                    f"previous_response_id: that response is {prev.info.state}, not completed or incomplete",
+                    param="previous_response_id",
+                    code="not_found",
+                )
             # Its conversation without its own instructions (they do not carry over), then its answer.
             msgs = prev.payload.get("messages") or []
             history = list(msgs[1:] if prev.payload.get("instructions") else msgs)
@@ -185,7 +192,7 @@ async def plan_create(
         if body.get(key) is not None:
             params[wire] = body[key]
     params["model"] = model  # chooses the model as params.model does (unknown: 404)
-    chat = api.to_chat(id, messages, params)
+    chat = api.to_chat(id, messages, params, {"max_tokens": "max_output_tokens"})
     extra = {
         "instructions": instructions,
         "previous_response_id": prev_id,

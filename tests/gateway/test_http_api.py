@@ -143,11 +143,19 @@ async def test_unsupported_fields_are_refused_by_name(server: Running) -> None:
         ({"temperature": 3}, "temperature"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 9000}, "max_completion_tokens"),  # named as sent, not max_tokens
     ]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as ei:
             await client.chat.completions.create(model="default", messages=msgs, extra_body=extra)  # type: ignore[arg-type]
         assert ei.value.param == param, (extra, ei.value.body)
+        if param.startswith("max_"):
+            assert ei.value.body["message"].startswith(f"{param}:"), ei.value.body  # type: ignore[index]
+    for value in (0, 8193):
+        with pytest.raises(openai.BadRequestError) as ei:
+            await client.responses.create(model="default", input="x", max_output_tokens=value)
+        assert ei.value.param == "max_output_tokens"
+        assert ei.value.body["message"].startswith("max_output_tokens:"), ei.value.body  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="gpt-4o", messages=msgs)  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError) as ei:
@@ -297,6 +305,10 @@ async def test_cancel_works_and_works_twice(server: Running) -> None:
         ev async for ev in await client.responses.retrieve(r.id, stream=True) if ev.type == "response.failed"
     ]
     assert finals and finals[0].response.status == "cancelled"
+    # A cancelled response has no conversation to continue: 404, as for an unknown id (SPEC §15.4).
+    with pytest.raises(openai.NotFoundError) as ei:
+        await client.responses.create(model="default", input="more", previous_response_id=r.id)
+    assert ei.value.param == "previous_response_id"
 
 
 async def test_previous_response_id_continues_the_conversation(server: Running) -> None:

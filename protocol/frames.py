@@ -272,8 +272,8 @@ def _parse_hello(raw: Mapping[str, Any]) -> Hello:
     v = raw.get("v")
     if v is None:
         raise _bad("v: required field missing (protocol version, 1)")
-    if not _is_int(v):
-        raise _bad(f"v: expected an integer, got {_type_name(v)}")
+    if not _is_int(v) or not _is_number(v):  # an integer beyond the wire's range is a bad frame (§3)
+        raise _bad(f"v: expected an integer, got {_short(v)}")
     if v != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED_VERSION, f"v: this server speaks protocol version 1, not {v}"

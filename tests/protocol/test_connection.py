@@ -124,6 +124,17 @@ def test_hello_with_resume_points_becomes_the_event() -> None:
     assert conn.events_received() == [Hello(token="jwt", resume=(ResumePoint("a", 3),))]
 
 
+@pytest.mark.parametrize("version", [2**64, -(2**63) - 1, 10**30])
+def test_a_version_beyond_the_wires_integers_is_a_bad_frame(version: int) -> None:
+    # SPEC §3: an integer outside -2^63 .. 2^64-1 (JSON can spell one) is a bad frame, whatever the field.
+    conn = ServerConnection(JSON_SUBPROTOCOL)
+    conn.receive_data(json.dumps({"type": "hello", "v": version}).encode())
+    [err] = _errors(conn)
+    assert err.code == ErrorCode.BAD_FRAME and conn.close_code is None
+    _send(conn, {"type": "hello", "v": 1})
+    assert conn.events_received() != []  # the connection went on: the next hello is read
+
+
 @SUBPROTOCOLS
 @pytest.mark.parametrize("version", [0, 2, 99])
 def test_unsupported_version_closes_with_1002(subprotocol: str, version: int) -> None:

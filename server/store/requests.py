@@ -574,7 +574,8 @@ class RequestStore:
             args: list[Any] = [worker]
             for i in idx:
                 op = ops[i]
-                args += [op.offset, op.n, op.text, ",".join(map(str, op.token_ids))]
+                ids = ",".join(map(str, op.token_ids))
+                args += [op.offset, op.n, op.text, ids, op.prompt_tokens if op.offset == 0 else ""]
             scripted.append(
                 (self._step, [k.worker_requests(worker, p), *(ops[i].item.log_key for i in idx)], args)
             )

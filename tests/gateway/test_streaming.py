@@ -161,6 +161,9 @@ async def test_cancel_ends_stream_with_cancelled(server: Running) -> None:
         if isinstance(f, Done):
             done = f
     assert done is not None and done.finish_reason == "cancelled" and done.offset < 300
+    # Its usage counts the prompt its tokens came from (SPEC §5): 0 is only for one never started.
+    assert done.usage is not None and done.usage.prompt_tokens > 0
+    assert done.usage.completion_tokens == done.offset
     assert c.welcome is not None
     info = await server.store.get(f"anon:{c.welcome.session}", "c1")
     assert info is not None and info.state == "cancelled"

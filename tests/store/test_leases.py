@@ -88,15 +88,17 @@ async def test_detach_timeout_cancels_running_and_queued(redis: aioredis.Redis, 
     for _ in range(3):
         await asyncio.sleep(0.08)
         assert await store.touch([item.req_key]) == 1
-    assert await store.write_step([StepOp(item, 0, 1, "a", 1)], "w1") == [True]
+    assert await store.write_step([StepOp(item, 0, 1, "a", 7)], "w1") == [True]
     assert await store.detach_sweep("w1") == 0  # attached: nothing to do
     await asyncio.sleep(0.2)  # nobody attached for longer than the timeout
     assert await store.detach_sweep("w1") == 1  # the worker's sweep (about every second)
     assert await store.write_step([StepOp(item, 1, 1, "b", 1)], "w1") == [False]
     info = await store.get("u", "r")
     assert info is not None and (info.state, info.finish_reason) == ("cancelled", "cancelled")
+    assert info.prompt_tokens == 7
     last = (await redis.xrange(item.log_key))[-1]
     assert last[0] == b"1-2" and last[1][b"d"] == b"cancelled"
+    assert last[1][b"pt"] == b"7"  # the prompt's length, from the log's first entry
 
     # A queued request nobody waits for any more is cancelled when a worker would start it.
     await store.submit("u", "q", "fp", {**PAYLOAD, "id": "q"})

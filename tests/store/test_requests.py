@@ -125,6 +125,11 @@ async def test_cancel_queued_running_finished_unknown(redis: aioredis.Redis, key
     entries = await redis.xrange(item.log_key)
     assert [e[0] for e in entries] == [b"0-1", b"1-2"]
     assert entries[-1][1][b"d"] == b"cancelled"
+    # The prompt's length, which only finish.lua writes to the request, comes from the first entry: a
+    # cancelled reply's usage counts the prompt its tokens were generated from (SPEC §5).
+    assert entries[-1][1][b"pt"] == b"3" and entries[0][1][b"p"] == b"3"
+    info = await store.get("u1", "r1")
+    assert info is not None and (info.prompt_tokens, info.completion_tokens) == (3, 1)
     assert await store.cancel("u1", "nope") is None
     # A cancelled turn leaves no history.
     assert await redis.llen(keys.history("s1", "u1")) == 0

@@ -7,6 +7,19 @@
 -- false when the request does not exist, or "moved" (nothing changed) when another worker holds it now
 -- than the caller saw: the caller reads the holder again and retries, so every key is declared.
 -- Idempotent: cancelling twice is the same as once.
+-- The prompt's length for a cancelled request's end. The request hash holds 0 until finish.lua writes it;
+-- while the request runs, its log's first entry carries it (step.lua, 'p'); before that entry, 0: no
+-- token was generated from it yet.
+local function prompt_len(log, pt)
+  if pt and pt ~= '0' then return pt end
+  local x = redis.call('XRANGE', log, '0-1', '0-1')[1]
+  if x then
+    for j = 1, #x[2], 2 do
+      if x[2][j] == 'p' then return x[2][j + 1] end
+    end
+  end
+  return 0
+end
 local req = KEYS[1]
 local f = redis.call('HMGET', req, 'state', 'completion_tokens', 'prompt_tokens', 'worker')
 if not f[1] then
@@ -28,9 +41,10 @@ else
   total = redis.call('HGET', KEYS[4], KEYS[2]) or total
   redis.call('HDEL', KEYS[4], KEYS[2])
 end
+local pt = prompt_len(KEYS[2], f[3])
 redis.call('HSET', req, 'state', 'cancelled', 'finish_reason', 'cancelled', 'updated_ms', now,
-  'finished_ms', now, 'completion_tokens', total)
-redis.call('XADD', KEYS[2], total .. '-2', 'd', 'cancelled', 'o', total, 'pt', f[3] or 0)
+  'finished_ms', now, 'completion_tokens', total, 'prompt_tokens', pt)
+redis.call('XADD', KEYS[2], total .. '-2', 'd', 'cancelled', 'o', total, 'pt', pt)
 redis.call('PEXPIRE', req, ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return state

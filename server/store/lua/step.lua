@@ -3,7 +3,10 @@
 -- tokens). Fenced by the worker's held hash, which is also the offset check.
 -- KEYS[1] the worker's held hash in this partition (log key -> tokens logged so far, keys.py), KEYS[2..]
 --   the token logs the ops write to, one per op in order (all in the partition: one hash slot)
--- ARGV: 1 worker id, then four per op: offset, n tokens, text, token ids (comma-separated)
+-- ARGV: 1 worker id, then five per op: offset, n tokens, text, token ids (comma-separated), and the
+--   prompt's length in tokens for the op at offset 0 ("" for the others): the first entry carries it as
+--   'p', so a request cancelled while it runs reports it (cancel.lua, detach.lua) before finish.lua
+--   writes it to the request hash
 -- Per op: 1 appended (also for a retry of a delta already logged, whose reply was lost); 0 when the
 -- request is no longer held by this worker (ended, cancelled, detached, re-queued, taken over): stop
 -- generating it; -1 when the offset is not the log's end (a bug in the caller): nothing is written and
@@ -24,14 +27,19 @@ end
 local out, moved = {}, {}
 for i = 1, n do
   local log = logs[i]
-  local a = 2 + 4 * (i - 1)
+  local a = 2 + 5 * (i - 1)
   local offset, cnt = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   local e = cur[log]
   if e == nil then
     out[i] = 0
   elseif offset == e then
-    redis.call('XADD', log, offset .. '-1', 'o', offset, 'n', cnt, 't', ARGV[a + 2], 'k', ARGV[a + 3],
-      'w', ARGV[1])
+    if offset == 0 and ARGV[a + 4] ~= '' then
+      redis.call('XADD', log, '0-1', 'o', 0, 'n', cnt, 't', ARGV[a + 2], 'k', ARGV[a + 3], 'w', ARGV[1],
+        'p', ARGV[a + 4])
+    else
+      redis.call('XADD', log, offset .. '-1', 'o', offset, 'n', cnt, 't', ARGV[a + 2], 'k', ARGV[a + 3],
+        'w', ARGV[1])
+    end
     cur[log] = offset + cnt
     moved[log] = true
     out[i] = 1

@@ -89,7 +89,7 @@ class Connection:
                 await self._flush()
                 self.limits.ingress.done()
                 if self.proto.close_code is not None:
-                    await self.ws.close(self.proto.close_code, self.proto.close_reason)
+                    await self._close(self.proto.close_code, self.proto.close_reason)
                     break
         except ConnectionClosed:
             pass
@@ -107,6 +107,17 @@ class Connection:
             # the connection (and the turns' content) until a full collection.
             self._turn_chain = None
             self.limits.close()
+
+    async def _close(self, code: int, reason: str) -> None:
+        """Close with ``code``, dropping unread whatever the client sent after the frame that closed it
+        (SPEC §7). Its close reply queues behind those frames, and websockets stops reading while a
+        couple wait (max_queue): a plain close() waited its whole close timeout (10 s) for a reply it
+        could not reach, holding the socket and telling the client late."""
+        closing = asyncio.ensure_future(self.ws.close(code, reason))
+        with contextlib.suppress(ConnectionClosed):
+            async for _ in self.ws:
+                pass  # ends when the close handshake does (or close() gives up and aborts)
+        await closing
 
     def _no_hello(self) -> None:
         if not self.session:

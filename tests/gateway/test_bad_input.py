@@ -88,6 +88,23 @@ async def test_sixteen_bad_frames_in_a_row_close_1008(server: Running) -> None:
     assert exc.value.rcvd is not None and exc.value.rcvd.code == 1008
 
 
+async def test_frames_sent_past_the_closing_one_do_not_hold_up_the_close(server: Running) -> None:
+    # 40 bad frames at once: the server closes after the 16th, and the rest sit ahead of the client's
+    # close reply. They are dropped unread (SPEC §7) while the close goes on; before, the server stopped
+    # reading and waited its whole close timeout (10 s) for a reply it could not reach.
+    c = await Client.connect(server.url)
+    for _ in range(40):
+        await c.send_raw(b"\xc1", encode=False)
+
+    async def until_closed() -> None:
+        while True:
+            await c.recv()
+
+    with pytest.raises(ConnectionClosed) as exc:
+        await asyncio.wait_for(until_closed(), 5)  # closed at once, not by a 10 s timeout's abort
+    assert exc.value.rcvd is not None and exc.value.rcvd.code == 1008
+
+
 async def test_oversize_message_closes_1009(server: Running) -> None:
     limit = server.gateway.settings.max_frame_bytes
     async with connect(server.url, subprotocols=["tokenwire.v1.msgpack"]) as ws:  # type: ignore[list-item]

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs
 
+from protocol import ErrorCode
 from server.gateway.admission import Grant
 from server.gateway.http_common import SSE_HEADERS, ApiError, Caller, HttpCore, bad, json_response, sse
 from server.gateway.http_conn import HttpRequest, HttpResponse
@@ -73,7 +74,13 @@ class Responses:
         except BaseException:
             grant.release()  # idempotent: following the log gives it back too
             raise
-        return json_response(self._object(rid, await find_response(api, caller, rid)))
+        view = await find_response(api, caller, rid)
+        if view.info.state == "failed" and view.error_code == ErrorCode.TOO_LARGE:
+            # Answered as chat completions answers it (SPEC §15.6): the caller waited for a result and
+            # there is none; the failed response can still be retrieved by its id.
+            message = view.error_message or "the input does not fit the model"
+            raise bad(message, "input", "context_length_exceeded")
+        return json_response(self._object(rid, view))
 
     async def _wait(self, grant: Grant, caller: Caller, id: str) -> None:
         async for _ in self.api.follow(grant, caller.owner, id):

@@ -9,6 +9,8 @@ import asyncio
 import json
 from typing import Any
 
+import openai
+import pytest
 import redis.asyncio as aioredis
 from openai import AsyncOpenAI
 
@@ -119,5 +121,14 @@ async def test_a_refused_response_is_still_found_by_the_responses_door(
             assert payload["api"] == "responses"
             assert "messages" not in payload and "instructions" not in payload
             assert 0 < await redis.pttl(req_key) <= REFUSED_TTL_MS
+            # Waited for (neither background nor streamed), it is the 400 chat completions gives (§15.6).
+            with pytest.raises(openai.BadRequestError) as ei:
+                await sdk.responses.create(model="default", input=BIG)
+            assert (ei.value.code, ei.value.param) == ("context_length_exceeded", "input")
+            with pytest.raises(openai.BadRequestError) as ei:
+                await sdk.chat.completions.create(
+                    model="default", messages=[{"role": "user", "content": BIG}]
+                )
+            assert (ei.value.code, ei.value.param) == ("context_length_exceeded", "messages")
         finally:
             await sdk.close()

@@ -702,6 +702,9 @@ export class TokenwireClient extends Emitter {
         break;
       case "done":
         if (req && req.phase === "attached" && req.conn === conn) this.#onDone(req, frame);
+        // A content-mode turn still waiting that this client cancelled: the server dropped it, and it
+        // never existed there (SPEC §4.2).
+        else if (req && req.phase === "sent" && req.conn === conn && !req.accepted && req.cancelRequested) this.#end(req, frame);
         break;
       case "error":
         if (req) this.#onRequestError(req, frame);

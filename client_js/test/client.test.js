@@ -250,6 +250,26 @@ test("a content-mode turn sent while the previous one runs is shown waiting, the
   c.close();
 });
 
+test("Stop of a turn still waiting ends it cancelled, and it never runs", async () => {
+  const c = newClient(server.url);
+  const waiting = new Promise((resolve) => c.on("waiting", resolve));
+  const first = c.chat("Tell me about the sea", { max_tokens: 48, seed: 1, cache: false });
+  const second = c.chat("And the mountains?", { max_tokens: 8, seed: 2, cache: false });
+  await waiting;
+  second.cancel();
+  const b = await consume(second);
+  assert.equal(b.result.finishReason, "cancelled");
+  assert.equal(b.result.offset, 0);
+  assert.equal(second.state, "cancelled");
+  const a = await consume(first); // the earlier turn is not harmed
+  assert.equal(first.state, "done");
+  assertContiguous(a);
+  // The server never created it: a resume finds nothing.
+  const third = c.resume(second.id);
+  await assert.rejects(consume(third), (err) => err.code === "not_found");
+  c.close();
+});
+
 test("coalesceMs is sent in the hello and checked before anything is sent", async () => {
   const c = newClient(server.url, { coalesceMs: 100 });
   await c.connect();

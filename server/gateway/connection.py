@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import time
 
@@ -51,6 +52,10 @@ from server.store.requests import FINAL_STATES
 log = structlog.get_logger(__name__)
 
 
+class TurnDropped(Exception):
+    """A waiting content-mode turn was cancelled before it was submitted (Connection._cancel)."""
+
+
 class Connection:
     def __init__(self, core: GatewayCore, ws: WebSocket) -> None:
         self.core = core
@@ -67,6 +72,8 @@ class Connection:
         self.limits = core.admission.connection(peer_address(ws))
         self._attached: dict[str, asyncio.Task[None]] = {}
         self._waiting: set[asyncio.Task[None]] = set()  # content turns waiting for the previous turn
+        # The same turns by chat id, with the event a cancel of one sets (_cancel_waiting_turn).
+        self._turns: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
         self._turn_chain: asyncio.Task[None] | None = None  # the last of them
         self._send_lock = asyncio.Lock()
         self._closing: asyncio.Future[None] | None = None  # the close of a socket that sent no hello
@@ -225,16 +232,36 @@ class Connection:
         # Its session's previous turn is still running: this one waits for it without holding up this
         # connection's other frames; turns sent on this connection are accepted in the order sent.
         self.proto.send(Waiting(id=chat.id, after=after[0] if after else None))
-        task = asyncio.create_task(self._chat_after_wait(chat, grant, before), name=f"turn-{chat.id}")
+        dropped = asyncio.Event()
+        task = asyncio.create_task(
+            self._chat_after_wait(chat, grant, before, dropped), name=f"turn-{chat.id}"
+        )
         self._waiting.add(task)
         task.add_done_callback(self._waiting.discard)
+        self._turns[chat.id] = (task, dropped)
+        task.add_done_callback(functools.partial(self._turn_ended, chat.id))
         self._turn_chain = task
 
-    async def _chat_after_wait(self, chat: Chat, grant: Grant, before: asyncio.Task[None] | None) -> None:
+    def _turn_ended(self, id: str, task: asyncio.Task[None]) -> None:
+        if self._turns.get(id, (None,))[0] is task:
+            del self._turns[id]
+
+    async def _chat_after_wait(
+        self, chat: Chat, grant: Grant, before: asyncio.Task[None] | None, dropped: asyncio.Event
+    ) -> None:
         try:
             if before is not None:
-                await asyncio.wait({before})  # the turn sent before this one on this connection goes first
-            await self._chat(chat, grant)
+                # The turn sent before this one on this connection goes first (or a cancel of this one).
+                waker = asyncio.ensure_future(dropped.wait())
+                try:
+                    await asyncio.wait({before, waker}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waker.cancel()
+            await self._chat(chat, grant, dropped=dropped)
+        except TurnDropped:
+            # Cancelled while it waited: never submitted, so nothing exists in the store (SPEC §4.2).
+            self.log.info("request.cancel", request_id=chat.id, state_before="waiting")
+            self.proto.send(Done(id=chat.id, finish_reason="cancelled", offset=0, usage=Usage(0, 0)))
         except ProtocolError as exc:
             self.proto.send_error(exc)
         except Exception as exc:
@@ -259,20 +286,30 @@ class Connection:
         info = await self.core.store.get(self.owner, prev)
         return prev, info is not None and info.state not in FINAL_STATES
 
-    async def _wait_previous_turn(self, id: str) -> str:
+    async def _wait_previous_turn(self, id: str, dropped: asyncio.Event | None = None) -> str:
         """Wait until the session's latest content turn has ended; its id ("" for none). A turn then
-        sees the reply of the one before it, whichever connection or gateway sent either."""
+        sees the reply of the one before it, whichever connection or gateway sent either. Raises
+        TurnDropped once ``dropped`` is set (a cancel of this turn)."""
         delay = 0.02
         while True:
+            if dropped is not None and dropped.is_set():
+                raise TurnDropped
             prev, pending = await self._previous_turn(id)
             if self._gone:
                 # The close cancelled this turn, but a store call interrupted mid-command can swallow that
                 # one cancel (seen with redis-py: the loop then polled on until the previous turn ended,
                 # holding the closed connection). The turn ends with its connection, never submitted.
                 raise asyncio.CancelledError
+            if dropped is not None and dropped.is_set():
+                raise TurnDropped
             if not pending:
                 return prev
-            await asyncio.sleep(delay)
+            if dropped is None:
+                await asyncio.sleep(delay)
+            else:
+                with contextlib.suppress(TimeoutError):  # woken at once by a cancel of this turn
+                    async with asyncio.timeout(delay):
+                        await dropped.wait()
             delay = min(delay * 2, 0.25)
 
     async def _hello(self, hello: Hello) -> None:
@@ -317,7 +354,13 @@ class Connection:
                 await self._flush()
 
     async def _chat(
-        self, chat: Chat, grant: Grant, *, wait: bool = True, turn: tuple[str, bool] | None = None
+        self,
+        chat: Chat,
+        grant: Grant,
+        *,
+        wait: bool = True,
+        turn: tuple[str, bool] | None = None,
+        dropped: asyncio.Event | None = None,
     ) -> bool:
         """Submit an admitted chat and attach its stream; the grant goes to the stream, or is released.
         ``wait`` False (called from the read loop): a content turn whose session's previous turn is
@@ -330,7 +373,7 @@ class Connection:
                 turn_after: str | None = None
                 if chat.content is not None:
                     if wait:
-                        turn_after = await self._wait_previous_turn(chat.id)
+                        turn_after = await self._wait_previous_turn(chat.id, dropped)
                     else:
                         turn_after, pending = turn if turn is not None else await self._previous_turn(chat.id)
                         turn = None  # after a turn_moved, read it again
@@ -401,6 +444,16 @@ class Connection:
         # Admitted before the store is asked anything (SPEC §6); a cancel holds nothing afterwards.
         ask = Ask("cancel", self.owner, frame.id, conn=self.limits, session=self.session, stream=False)
         (await self.core.admission.admit(ask)).release()
+        turn = self._turns.get(frame.id)
+        if turn is not None:
+            # A content turn this connection holds waiting: it is dropped, and answers done (cancelled)
+            # itself, unless it was already being submitted; then it is cancelled in the store below,
+            # once its submit is through (a short wait: it no longer waits for the previous turn).
+            task, dropped = turn
+            dropped.set()
+            await asyncio.wait({task})
+            if frame.id not in self._attached:
+                return
         before = await self.core.store.cancel(self.owner, frame.id)
         if before is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, "no such request", id=frame.id)

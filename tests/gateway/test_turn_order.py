@@ -109,3 +109,40 @@ async def test_a_turn_overtaken_after_admission_waits_off_the_read_loop(
     assert not server.gateway.core.admission.waiting_by_session
     await a.close()
     await b.close()
+
+
+async def test_a_cancel_of_a_waiting_turn_drops_it_and_answers_done_cancelled(server: Running) -> None:
+    # Stop pressed on a turn the server still holds (SPEC §4.2): before, the cancel got not_found (nothing
+    # existed yet) and the turn ran anyway once the previous one ended.
+    server.engine.reply_len = 400
+    server.engine.step_s = 0.02
+    c = await Client.connect(server.url)
+    await c.send(Chat(id="first", content="a long one", params=Params(max_tokens=300)))
+    await c.send(Chat(id="second", content="then this", params=Params(max_tokens=4)))
+    await c.send(Chat(id="third", content="and this", params=Params(max_tokens=4)))
+    seen: list[str] = []
+    async with asyncio.timeout(10):
+        while "waiting:third" not in seen:
+            f = await c.recv()
+            seen.append(f"{f.type}:{getattr(f, 'id', '')}")
+        await c.send(Cancel(id="second"))
+        while True:
+            f = await c.recv()
+            if isinstance(f, Done) and f.id == "second":
+                break
+    assert (f.finish_reason, f.offset, f.usage.completion_tokens) == ("cancelled", 0, 0)
+    # The first turn streams on, unharmed; the third follows it, not the dropped one.
+    await c.send(Cancel(id="first"))
+    ends = {}
+    async with asyncio.timeout(10):
+        while "third" not in ends:
+            f = await c.recv()
+            if isinstance(f, Done):
+                ends[f.id] = f.finish_reason
+            assert not (isinstance(f, Accepted) and f.id == "second")
+    assert ends == {"first": "cancelled", "third": "length"}
+    assert server.engine.requests_started == 2
+    assert c.welcome is not None
+    assert await server.store.get(f"anon:{c.welcome.session}", "second") is None  # never created
+    assert not server.gateway.core.admission.waiting_by_session  # its waiting slot is given back
+    await c.close()

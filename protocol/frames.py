@@ -51,6 +51,17 @@ def _is_number(v: object) -> bool:
     return isinstance(v, float) and math.isfinite(v)
 
 
+def _got(v: object) -> str:
+    """What a field held, for "expected a number" errors: the value itself when it is a number that was
+    refused (NaN, an infinity, an integer beyond the wire's range), else its type."""
+    if isinstance(v, float) or _is_int(v):
+        try:
+            return repr(v)[:40]
+        except ValueError:  # an integer too long to print (Python's digit limit)
+            return "a very long integer"
+    return _type_name(v)
+
+
 def _short(v: object) -> str:
     """A bounded description of a bad value for an error message (never repr of a deep structure)."""
     if isinstance(v, str | int | float | bool) or v is None:
@@ -310,7 +321,7 @@ def _parse_params(pv: object, id: str) -> Params:
         if v is None:
             return None
         if not _is_number(v):
-            raise _bad(f"params.{key}: expected a number, got {_type_name(v)}", id)
+            raise _bad(f"params.{key}: expected a finite number, got {_got(v)}", id)
         f = float(v)
         if f < lo or f > hi or (lo_open and f == lo):
             bracket = "(" if lo_open else "["
@@ -417,7 +428,7 @@ def _epoch(v: object, where: str, id: str) -> int | None:
 def _parse_ping(raw: Mapping[str, Any]) -> Ping:
     ts = raw.get("ts")
     if ts is not None and not _is_number(ts):
-        raise _bad(f"ts: expected a number, got {_type_name(ts)}")
+        raise _bad(f"ts: expected a finite number, got {_got(ts)}")
     return Ping(ts=ts)
 
 

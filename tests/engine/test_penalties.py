@@ -111,7 +111,7 @@ def test_only_rows_that_ask_are_touched_and_inference_tensors_are_fine() -> None
     [
         ({"repetition_penalty": 0}, "params.repetition_penalty: expected a number in (0, 2], got 0"),
         ({"repetition_penalty": 2.5}, "params.repetition_penalty"),
-        ({"repetition_penalty": "1.1"}, "params.repetition_penalty: expected a number, got string"),
+        ({"repetition_penalty": "1.1"}, "params.repetition_penalty: expected a finite number, got string"),
         ({"frequency_penalty": -2.1}, "params.frequency_penalty: expected a number in [-2, 2], got -2.1"),
         ({"presence_penalty": 3}, "params.presence_penalty"),
     ],

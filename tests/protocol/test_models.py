@@ -69,3 +69,13 @@ def test_welcome_loading_round_trips_and_is_left_out_when_empty() -> None:
 
 def test_params_default_has_no_model() -> None:
     assert "model" not in Params().to_wire() and "fallback" not in Params().to_wire()
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(float("nan"), "nan"), (float("inf"), "inf"), (2**64, str(2**64)), (True, "boolean")]
+)
+def test_a_refused_number_is_named_by_its_value(value: object, shown: str) -> None:
+    # "expected a number, got number" said nothing about NaN, an infinity or an integer past the wire's range.
+    with pytest.raises(ProtocolError) as ei:
+        parse_client_frame({"type": "chat", "id": "x", "content": "hi", "params": {"temperature": value}})
+    assert ei.value.message == f"params.temperature: expected a finite number, got {shown}"

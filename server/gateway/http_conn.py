@@ -328,6 +328,11 @@ class HttpConnection(asyncio.Protocol):
         if not isinstance(event, h11.Request):
             raise h11.RemoteProtocolError("expected a request")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
+        if "transfer-encoding" in headers and "content-length" in headers:
+            # A proxy in front that frames by Content-Length would read another request's bytes into this
+            # one's body than h11 (which frames by Transfer-Encoding) does: request smuggling. RFC 9112
+            # §6.1 lets a server refuse it, and it must close the connection either way: 400, closed.
+            raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise _TooLarge()

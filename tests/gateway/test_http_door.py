@@ -150,6 +150,27 @@ def _post(server: Running, path: str, body: dict[str, Any], key: str | None = No
     return go()
 
 
+async def test_a_request_framed_both_ways_is_refused_and_its_connection_closed(server: Running) -> None:
+    # Content-Length and Transfer-Encoding both: how long the body is depends on who reads it (a proxy
+    # in front may take the length, h11 takes the chunks), the shape of request smuggling. RFC 9112 §6.1.
+    reader, writer = await _open(server.port)
+    body = b'{"model":"default","input":"hi"}'
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    writer.write(
+        b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        + f"{len(body):x}\r\n".encode()
+        + body
+        + b"\r\n0\r\n\r\n"
+        + smuggled
+    )
+    await writer.drain()
+    rest = await asyncio.wait_for(reader.read(), 10)  # to the close: nothing after the 400
+    writer.close()
+    assert rest.startswith(b"HTTP/1.1 400 ") and b"Content-Length and Transfer-Encoding" in rest
+    assert rest.count(b"HTTP/1.1 ") == 1  # the bytes behind it were never read as a request
+
+
 async def test_idempotency_keys_that_cannot_round_trip_in_a_path_are_refused(server: Running) -> None:
     body = {"model": "default", "input": "hi", "background": True, "max_output_tokens": 2}
     for key in ("a/b", "a?b", "a#b", "a%2Fb", "a b"):

@@ -328,6 +328,11 @@ class HttpConnection(asyncio.Protocol):
         if not isinstance(event, h11.Request):
             raise h11.RemoteProtocolError("expected a request")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
+        if len(headers) < len(event.headers):
+            names = [k.lower() for k, _ in event.headers]
+            for once in (b"authorization", b"idempotency-key"):
+                if names.count(once) > 1:  # which one counts would depend on who reads them
+                    raise h11.RemoteProtocolError(f"more than one {once.decode().title()} header")
         if "transfer-encoding" in headers and "content-length" in headers:
             # A proxy in front that frames by Content-Length would read another request's bytes into this
             # one's body than h11 (which frames by Transfer-Encoding) does: request smuggling. RFC 9112

@@ -169,6 +169,21 @@ async def test_a_request_framed_both_ways_is_refused_and_its_connection_closed(s
     writer.close()
     assert rest.startswith(b"HTTP/1.1 400 ") and b"Content-Length and Transfer-Encoding" in rest
     assert rest.count(b"HTTP/1.1 ") == 1  # the bytes behind it were never read as a request
+    # Two of a header whose one value decides whose request it is, or which: refused alike.
+    for twice in (
+        b"Authorization: Bearer a\r\nAuthorization: Bearer b",
+        b"Idempotency-Key: a\r\nidempotency-key: b",
+    ):
+        reader, writer = await _open(server.port)
+        writer.write(
+            b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + twice
+            + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        rest = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert rest.startswith(b"HTTP/1.1 400 ") and b"more than one" in rest, rest[:200]
 
 
 async def test_idempotency_keys_that_cannot_round_trip_in_a_path_are_refused(server: Running) -> None:

@@ -63,8 +63,11 @@ def apply_penalties(
             vals = logits[r, t]
             # Capped: a penalty near 0 (SPEC allows any in (0, 2]; 1e-300 is 0 in float32) made a seen
             # token's logit infinite, and sampling's softmax NaN. At the cap the seen tokens tie.
-            vals = torch.where(vals > 0, vals / penalty, vals * penalty)
-            logits[r, t] = vals.clamp_(-LOGIT_CAP, LOGIT_CAP)
+            out = torch.where(vals > 0, vals / penalty, vals * penalty)
+            # -inf times a penalty of 0 is NaN: a masked token stays masked. The cap is upward only, as a
+            # penalty of at most 2 cannot take a finite negative logit to -inf.
+            out = torch.where(out.isnan(), vals, out)
+            logits[r, t] = out.clamp_(max=LOGIT_CAP)
         freq = [i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]
         if freq:
             r, t, counts = _seen(freq, [_valid(tokens[i][n_prompt[i] :], vocab) for i in freq], vocab)

@@ -13,6 +13,8 @@ import contextlib
 import functools
 import hashlib
 import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
 
 import structlog
 from websockets.asyncio.server import ServerConnection as WebSocket
@@ -52,8 +54,35 @@ from server.store.requests import FINAL_STATES
 log = structlog.get_logger(__name__)
 
 
+# How long a protocol close (bad frames, 1002, 1009) waits for the client's close reply while it drops
+# what the client still sends: a reply takes a round trip, a phone's included.
+PROTOCOL_CLOSE_TIMEOUT_S = 2.0
+
+
 class TurnDropped(Exception):
     """A waiting content-mode turn was cancelled before it was submitted (Connection._cancel)."""
+
+
+@dataclass(eq=False)
+class WaitingTurn:
+    """A content-mode turn this connection holds (SPEC §4.2): ``dropped`` is set by a cancel of it, and
+    ``settled`` is done once it has been dropped, submitted or refused (what that cancel waits for)."""
+
+    dropped: asyncio.Event
+    settled: asyncio.Future[None]
+
+    def settle(self) -> None:
+        if not self.settled.done():
+            self.settled.set_result(None)
+
+
+async def _quietly(wait: Awaitable[object]) -> None:
+    # A cancel here (the connection closed) needs no traceback: see _chat_after_wait.
+    try:
+        await wait
+    except asyncio.CancelledError as exc:
+        exc.__traceback__ = None
+        raise
 
 
 class Connection:
@@ -72,8 +101,8 @@ class Connection:
         self.limits = core.admission.connection(peer_address(ws))
         self._attached: dict[str, asyncio.Task[None]] = {}
         self._waiting: set[asyncio.Task[None]] = set()  # content turns waiting for the previous turn
-        # The same turns by chat id, with the event a cancel of one sets (_cancel_waiting_turn).
-        self._turns: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
+        # The same turns by chat id (a client may send one id twice), for a cancel of them (_cancel).
+        self._turns: dict[str, list[WaitingTurn]] = {}
         self._turn_chain: asyncio.Task[None] | None = None  # the last of them
         self._send_lock = asyncio.Lock()
         self._closing: asyncio.Future[None] | None = None  # the close of a socket that sent no hello
@@ -120,6 +149,10 @@ class Connection:
         (SPEC §7). Its close reply queues behind those frames, and websockets stops reading while a
         couple wait (max_queue): a plain close() waited its whole close timeout (10 s) for a reply it
         could not reach, holding the socket and telling the client late."""
+        # What is drained is read unpaced: a client that keeps sending instead of replying is cut off
+        # after PROTOCOL_CLOSE_TIMEOUT_S, not websockets' 10 s.
+        if self.ws.close_timeout is None or self.ws.close_timeout > PROTOCOL_CLOSE_TIMEOUT_S:
+            self.ws.close_timeout = PROTOCOL_CLOSE_TIMEOUT_S
         closing = asyncio.ensure_future(self.ws.close(code, reason))
         with contextlib.suppress(ConnectionClosed):
             async for _ in self.ws:
@@ -232,41 +265,55 @@ class Connection:
         # Its session's previous turn is still running: this one waits for it without holding up this
         # connection's other frames; turns sent on this connection are accepted in the order sent.
         self.proto.send(Waiting(id=chat.id, after=after[0] if after else None))
-        dropped = asyncio.Event()
-        task = asyncio.create_task(
-            self._chat_after_wait(chat, grant, before, dropped), name=f"turn-{chat.id}"
-        )
+        turn = WaitingTurn(asyncio.Event(), asyncio.get_running_loop().create_future())
+        task = asyncio.create_task(self._chat_after_wait(chat, grant, before, turn), name=f"turn-{chat.id}")
         self._waiting.add(task)
         task.add_done_callback(self._waiting.discard)
-        self._turns[chat.id] = (task, dropped)
-        task.add_done_callback(functools.partial(self._turn_ended, chat.id))
+        self._turns.setdefault(chat.id, []).append(turn)
+        task.add_done_callback(functools.partial(self._turn_ended, chat.id, turn))
         self._turn_chain = task
 
-    def _turn_ended(self, id: str, task: asyncio.Task[None]) -> None:
-        if self._turns.get(id, (None,))[0] is task:
-            del self._turns[id]
+    def _turn_ended(self, id: str, turn: WaitingTurn, _task: asyncio.Task[None]) -> None:
+        turn.settle()  # a task cancelled with its connection: a cancel waiting on it must not hang
+        turns = self._turns.get(id, [])
+        if turn in turns:
+            turns.remove(turn)
+        if not turns:
+            self._turns.pop(id, None)
 
     async def _chat_after_wait(
-        self, chat: Chat, grant: Grant, before: asyncio.Task[None] | None, dropped: asyncio.Event
+        self, chat: Chat, grant: Grant, before: asyncio.Task[None] | None, turn: WaitingTurn
     ) -> None:
         try:
-            if before is not None:
-                # The turn sent before this one on this connection goes first (or a cancel of this one).
-                waker = asyncio.ensure_future(dropped.wait())
-                try:
-                    await asyncio.wait({before, waker}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waker.cancel()
-            await self._chat(chat, grant, dropped=dropped)
+            try:
+                if before is not None:
+                    # The turn sent before this one on this connection goes first (or a cancel of this one).
+                    waker = asyncio.ensure_future(turn.dropped.wait())
+                    try:
+                        await asyncio.wait({before, waker}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waker.cancel()
+                await self._chat(chat, grant, dropped=turn.dropped)
+            finally:
+                turn.settle()  # dropped, submitted or refused: what a cancel of it waits for
         except TurnDropped:
             # Cancelled while it waited: never submitted, so nothing exists in the store (SPEC §4.2).
             self.log.info("request.cancel", request_id=chat.id, state_before="waiting")
             self.proto.send(Done(id=chat.id, finish_reason="cancelled", offset=0, usage=Usage(0, 0)))
+            with contextlib.suppress(ConnectionClosed):
+                await self._flush()
+            if before is not None:
+                # Turns sent after this one on this connection wait for this task: it ends when the turn
+                # ahead of it does, so they are still accepted in the order they were sent.
+                await _quietly(asyncio.wait({before}))
         except ProtocolError as exc:
             self.proto.send_error(exc)
         except Exception as exc:
             self._internal(chat, exc)
         except asyncio.CancelledError as exc:
+            # The connection closed. A cancel that landed before _chat (waiting for the turn ahead)
+            # leaves the grant to release here; release is idempotent.
+            grant.release()
             # The task keeps its CancelledError, and a cancel that landed inside a store call carries
             # that library's frames in its traceback, one of which holds the task (its timeout context):
             # a cycle holding this connection until a full collection. The inner frames say nothing a
@@ -444,14 +491,14 @@ class Connection:
         # Admitted before the store is asked anything (SPEC §6); a cancel holds nothing afterwards.
         ask = Ask("cancel", self.owner, frame.id, conn=self.limits, session=self.session, stream=False)
         (await self.core.admission.admit(ask)).release()
-        turn = self._turns.get(frame.id)
-        if turn is not None:
+        turns = self._turns.get(frame.id)
+        if turns:
             # A content turn this connection holds waiting: it is dropped, and answers done (cancelled)
             # itself, unless it was already being submitted; then it is cancelled in the store below,
             # once its submit is through (a short wait: it no longer waits for the previous turn).
-            task, dropped = turn
-            dropped.set()
-            await asyncio.wait({task})
+            for turn in turns:
+                turn.dropped.set()
+            await asyncio.wait([turn.settled for turn in turns])
             if frame.id not in self._attached:
                 return
         before = await self.core.store.cancel(self.owner, frame.id)

@@ -79,7 +79,7 @@ class Responses:
             # Answered as chat completions answers it (SPEC §15.6): the caller waited for a result and
             # there is none; the failed response can still be retrieved by its id.
             message = view.error_message or "the input does not fit the model"
-            raise bad(message, "input", "context_length_exceeded")
+            raise bad(f"{message} (response {rid}, failed)", "input", "context_length_exceeded")
         return json_response(self._object(rid, view))
 
     async def _wait(self, grant: Grant, caller: Caller, id: str) -> None:

@@ -181,10 +181,10 @@ def test_engine_repetition_penalty_matches_transformers(tiny: LoadedModel) -> No
 def test_a_repetition_penalty_near_zero_leaves_the_logits_finite(penalty: float) -> None:
     # SPEC allows any repetition_penalty in (0, 2]; a seen token's positive logit divided by one that is 0
     # in float32 was +inf, and the softmax then NaN. Capped, the seen tokens win, as the formula says.
-    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, 4.0]])
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, 4.0, -torch.inf]])
     params = [SamplingParams(temperature=1.0, repetition_penalty=penalty, seed=1)]
-    out = apply_penalties(logits, params, [[0, 1, 2]], [3])
-    assert bool(torch.isfinite(out).all())
+    out = apply_penalties(logits, params, [[0, 1, 2, 5]], [4])
+    assert bool(torch.isfinite(out[0, :5]).all()) and out[0, 5] == -torch.inf  # a masked token stays so
     assert out[0, 0] > out[0, 4] and out[0, 2] > out[0, 4] and out[0, 1] <= 0  # seen positives first
     from server.engine.sampling import sample
 

@@ -146,3 +146,57 @@ async def test_a_cancel_of_a_waiting_turn_drops_it_and_answers_done_cancelled(se
     assert await server.store.get(f"anon:{c.welcome.session}", "second") is None  # never created
     assert not server.gateway.core.admission.waiting_by_session  # its waiting slot is given back
     await c.close()
+
+
+async def test_turns_after_a_dropped_one_keep_the_order_they_were_sent_in(server: Running) -> None:
+    # A running, B and C... : B waits behind A's turn, is cancelled, then D is sent. D must still follow
+    # A, though B (the turn D was sent after) ended at once.
+    server.engine.reply_len = 400
+    server.engine.step_s = 0.02
+    c = await Client.connect(server.url)
+    await c.send(Chat(id="t1", content="a long one", params=Params(max_tokens=300)))
+    await c.send(Chat(id="a", content="first queued", params=Params(max_tokens=3)))
+    await c.send(Chat(id="b", content="second queued", params=Params(max_tokens=3)))
+    order: list[str] = []
+    async with asyncio.timeout(10):
+        while "waiting:b" not in order:
+            f = await c.recv()
+            order.append(f"{f.type}:{getattr(f, 'id', '')}")
+        await c.send(Cancel(id="b"))
+        while "done:b" not in order:
+            f = await c.recv()
+            order.append(f"{f.type}:{getattr(f, 'id', '')}")
+        await c.send(Chat(id="d", content="third queued", params=Params(max_tokens=3)))
+        await c.send(Cancel(id="t1"))
+        while "done:d" not in order:
+            f = await c.recv()
+            if not isinstance(f, Delta):
+                order.append(f"{f.type}:{getattr(f, 'id', '')}")
+    accepted = [x for x in order if x.startswith("accepted:")]
+    assert accepted == ["accepted:t1", "accepted:a", "accepted:d"], order
+    await c.close()
+
+
+async def test_closing_with_turns_waiting_gives_back_every_stream(server: Running) -> None:
+    # A turn waiting behind another turn of its connection when the connection closes held a stream of
+    # its owner; it must be given back (it used to stay counted until the gateway restarted).
+    server.engine.reply_len = 400
+    server.engine.step_s = 0.02
+    c = await Client.connect(server.url)
+    await c.send(Chat(id="t1", content="a long one", params=Params(max_tokens=300)))
+    await c.send(Chat(id="a", content="first queued", params=Params(max_tokens=3)))
+    await c.send(Chat(id="b", content="second queued", params=Params(max_tokens=3)))
+    seen: list[str] = []
+    async with asyncio.timeout(10):
+        while "waiting:b" not in seen:
+            f = await c.recv()
+            seen.append(f"{f.type}:{getattr(f, 'id', '')}")
+    admission = server.gateway.core.admission
+    assert sum(admission.streams_by_owner.values()) == 3
+    await c.close()
+    async with asyncio.timeout(10):
+        for _ in range(500):  # the close's tasks give their grants back as they end
+            if not sum(admission.streams_by_owner.values()) and not admission.waiting_by_session:
+                break
+            await asyncio.sleep(0.02)
+    assert not sum(admission.streams_by_owner.values()) and not admission.waiting_by_session

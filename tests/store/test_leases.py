@@ -60,6 +60,31 @@ async def test_dead_worker_requests_are_requeued_fenced_and_continued(
     assert [e[0] for e in entries] == [b"0-1", b"1-1", b"3-1", b"4-2"]
 
 
+async def test_a_requeued_request_nobody_waits_for_ends_with_its_prompts_length(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    # Cancelled as a worker would start it again (start.lua): its logged tokens came from a prompt whose
+    # length the first entry carries, so its done says so (SPEC §5: 0 only if generation never started).
+    store = RequestStore(redis, keys, Settings(lease_ttl_ms=200, detach_timeout_ms=150))
+    await store.ensure_group()
+    await store.heartbeat("w1")
+    await store.submit("u", "r", "fp", PAYLOAD)
+    item = await _take_start(store, "w1")
+    assert item is not None
+    assert await store.write_step([StepOp(item, 0, 2, "Hi", 9, token_ids=(11, 12))], "w1") == [True]
+    await asyncio.sleep(0.3)  # w1's lease lapses, and nobody is attached past the detach timeout
+    assert await store.heartbeat("w2") == ["w1"] and await store.reap("w1") == 1
+    assert await _take_start(store, "w2") is None
+    info = await store.get("u", "r")
+    assert info is not None and (info.state, info.prompt_tokens, info.completion_tokens) == (
+        "cancelled",
+        9,
+        2,
+    )
+    last = (await redis.xrange(item.log_key))[-1]
+    assert last[1][b"d"] == b"cancelled" and last[1][b"pt"] == b"9"
+
+
 async def test_requeued_request_whose_log_is_lost_restarts_under_a_new_epoch(
     redis: aioredis.Redis, keys: Keys
 ) -> None:

@@ -205,15 +205,15 @@ class RequestStore:
         self.keys = keys or Keys()
         self.settings = settings or Settings()
         self._submit = _load_script(r, "submit", "history")
-        self._start = _load_script(r, "start")
+        self._start = _load_script(r, "start", "prompt_len")
         self._step = _load_script(r, "step")
         self._mismatch = _load_script(r, "mismatch")
-        self._detach = _load_script(r, "detach")
+        self._detach = _load_script(r, "detach", "prompt_len")
         # worker -> its held requests' token logs -> when (time.monotonic) their detach deadline can next
         # have passed (detach_sweep)
         self._detach_due: dict[str, dict[str, float]] = {}
         self._finish = _load_script(r, "finish", "history")
-        self._cancel = _load_script(r, "cancel")
+        self._cancel = _load_script(r, "cancel", "prompt_len")
         self._touch = _load_script(r, "touch")
         self._heartbeat = _load_script(r, "heartbeat")
         self._reap = _load_script(r, "reap")

@@ -7,19 +7,6 @@
 -- false when the request does not exist, or "moved" (nothing changed) when another worker holds it now
 -- than the caller saw: the caller reads the holder again and retries, so every key is declared.
 -- Idempotent: cancelling twice is the same as once.
--- The prompt's length for a cancelled request's end. The request hash holds 0 until finish.lua writes it;
--- while the request runs, its log's first entry carries it (step.lua, 'p'); before that entry, 0: no
--- token was generated from it yet.
-local function prompt_len(log, pt)
-  if pt and pt ~= '0' then return pt end
-  local x = redis.call('XRANGE', log, '0-1', '0-1')[1]
-  if x then
-    for j = 1, #x[2], 2 do
-      if x[2][j] == 'p' then return x[2][j + 1] end
-    end
-  end
-  return 0
-end
 local req = KEYS[1]
 local f = redis.call('HMGET', req, 'state', 'completion_tokens', 'prompt_tokens', 'worker')
 if not f[1] then

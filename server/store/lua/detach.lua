@@ -9,19 +9,6 @@
 -- (-1 when this call cancelled it)}. attached_until only ever moves later (touch.lua), so the caller need
 -- not ask again about a request before that time: a sweep reads each request about once per detach
 -- timeout, not every second (issue 28: the store's cost per token).
--- The prompt's length for a cancelled request's end. The request hash holds 0 until finish.lua writes it;
--- while the request runs, its log's first entry carries it (step.lua, 'p'); before that entry, 0: no
--- token was generated from it yet.
-local function prompt_len(log, pt)
-  if pt and pt ~= '0' then return pt end
-  local x = redis.call('XRANGE', log, '0-1', '0-1')[1]
-  if x then
-    for j = 1, #x[2], 2 do
-      if x[2][j] == 'p' then return x[2][j + 1] end
-    end
-  end
-  return 0
-end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {now}

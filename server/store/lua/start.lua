@@ -24,13 +24,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('DECR', KEYS[2])
 if tonumber(f[2] or '0') < now then
   -- A re-queued request may have logged tokens already: its first entry carries the prompt's length.
-  local pt = 0
-  local first = redis.call('XRANGE', KEYS[3], '0-1', '0-1')[1]
-  if first then
-    for j = 1, #first[2], 2 do
-      if first[2][j] == 'p' then pt = first[2][j + 1] end
-    end
-  end
+  local pt = prompt_len(KEYS[3], nil)
   redis.call('HSET', req, 'state', 'cancelled', 'finish_reason', 'cancelled', 'updated_ms', now,
     'finished_ms', now, 'prompt_tokens', pt)
   redis.call('XADD', KEYS[3], f[3] .. '-2', 'd', 'cancelled', 'o', f[3], 'pt', pt)

@@ -114,54 +114,52 @@ async def test_a_turn_overtaken_after_admission_waits_off_the_read_loop(
 async def test_a_cancel_of_a_waiting_turn_drops_it_and_answers_done_cancelled(server: Running) -> None:
     # Stop pressed on a turn the server still holds (SPEC §4.2): before, the cancel got not_found (nothing
     # existed yet) and the turn ran anyway once the previous one ended.
-    server.engine.reply_len = 400
-    server.engine.step_s = 0.02
-    c = await Client.connect(server.url)
-    await c.send(Chat(id="first", content="a long one", params=Params(max_tokens=300)))
-    await c.send(Chat(id="second", content="then this", params=Params(max_tokens=4)))
-    await c.send(Chat(id="third", content="and this", params=Params(max_tokens=4)))
-    seen: list[str] = []
+    c, _ = await _two_turns_waiting(server)
     async with asyncio.timeout(10):
-        while "waiting:third" not in seen:
-            f = await c.recv()
-            seen.append(f"{f.type}:{getattr(f, 'id', '')}")
-        await c.send(Cancel(id="second"))
+        await c.send(Cancel(id="a"))
         while True:
             f = await c.recv()
-            if isinstance(f, Done) and f.id == "second":
+            if isinstance(f, Done) and f.id == "a":
                 break
     assert (f.finish_reason, f.offset, f.usage.completion_tokens) == ("cancelled", 0, 0)
-    # The first turn streams on, unharmed; the third follows it, not the dropped one.
-    await c.send(Cancel(id="first"))
+    # The running turn streams on, unharmed; b follows it, not the dropped one.
+    await c.send(Cancel(id="t1"))
     ends = {}
     async with asyncio.timeout(10):
-        while "third" not in ends:
+        while "b" not in ends:
             f = await c.recv()
             if isinstance(f, Done):
                 ends[f.id] = f.finish_reason
-            assert not (isinstance(f, Accepted) and f.id == "second")
-    assert ends == {"first": "cancelled", "third": "length"}
+            assert not (isinstance(f, Accepted) and f.id == "a")
+    assert ends == {"t1": "cancelled", "b": "length"}
     assert server.engine.requests_started == 2
     assert c.welcome is not None
-    assert await server.store.get(f"anon:{c.welcome.session}", "second") is None  # never created
+    assert await server.store.get(f"anon:{c.welcome.session}", "a") is None  # never created
     assert not server.gateway.core.admission.waiting_by_session  # its waiting slot is given back
     await c.close()
 
 
-async def test_turns_after_a_dropped_one_keep_the_order_they_were_sent_in(server: Running) -> None:
-    # A running, B and C... : B waits behind A's turn, is cancelled, then D is sent. D must still follow
-    # A, though B (the turn D was sent after) ended at once.
+async def _two_turns_waiting(server: Running) -> tuple[Client, list[str]]:
+    """A connection with turn t1 running long, a waiting behind it and b behind a; the frames seen."""
     server.engine.reply_len = 400
     server.engine.step_s = 0.02
     c = await Client.connect(server.url)
     await c.send(Chat(id="t1", content="a long one", params=Params(max_tokens=300)))
     await c.send(Chat(id="a", content="first queued", params=Params(max_tokens=3)))
     await c.send(Chat(id="b", content="second queued", params=Params(max_tokens=3)))
-    order: list[str] = []
+    seen: list[str] = []
     async with asyncio.timeout(10):
-        while "waiting:b" not in order:
+        while "waiting:b" not in seen:
             f = await c.recv()
-            order.append(f"{f.type}:{getattr(f, 'id', '')}")
+            seen.append(f"{f.type}:{getattr(f, 'id', '')}")
+    return c, seen
+
+
+async def test_turns_after_a_dropped_one_keep_the_order_they_were_sent_in(server: Running) -> None:
+    # t1 running, a and b waiting; b is cancelled, then d is sent. d must still follow a, though b (the
+    # turn d was sent after) ended at once.
+    c, order = await _two_turns_waiting(server)
+    async with asyncio.timeout(10):
         await c.send(Cancel(id="b"))
         while "done:b" not in order:
             f = await c.recv()
@@ -180,17 +178,7 @@ async def test_turns_after_a_dropped_one_keep_the_order_they_were_sent_in(server
 async def test_closing_with_turns_waiting_gives_back_every_stream(server: Running) -> None:
     # A turn waiting behind another turn of its connection when the connection closes held a stream of
     # its owner; it must be given back (it used to stay counted until the gateway restarted).
-    server.engine.reply_len = 400
-    server.engine.step_s = 0.02
-    c = await Client.connect(server.url)
-    await c.send(Chat(id="t1", content="a long one", params=Params(max_tokens=300)))
-    await c.send(Chat(id="a", content="first queued", params=Params(max_tokens=3)))
-    await c.send(Chat(id="b", content="second queued", params=Params(max_tokens=3)))
-    seen: list[str] = []
-    async with asyncio.timeout(10):
-        while "waiting:b" not in seen:
-            f = await c.recv()
-            seen.append(f"{f.type}:{getattr(f, 'id', '')}")
+    c, _ = await _two_turns_waiting(server)
     admission = server.gateway.core.admission
     assert sum(admission.streams_by_owner.values()) == 3
     await c.close()

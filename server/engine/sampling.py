@@ -58,8 +58,12 @@ def token_uniform(seed: int, offset: int) -> float:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], offsets: Sequence[int]) -> list[int]:
-    """Pick one token per row. logits: [B, V] (any float dtype); returns B token ids."""
-    logits = logits.float()
+    """Pick one token per row. logits: [B, V] (any float dtype, any device); returns B token ids."""
+    # On the host: the draw's small tensors (temperatures, uniforms) are made here, and its candidate
+    # search ends in Python lists. The batching runner passes host rows already (a no-op then); the
+    # generic engine (simple.py) passes its model's logits as they are, which on a GPU used to fail at
+    # the first division by the temperatures.
+    logits = logits.float().cpu()
     out = [0] * logits.shape[0]
     greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
     if greedy_rows:

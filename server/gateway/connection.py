@@ -252,7 +252,7 @@ class Connection:
         ask = self._ask("chat", chat.id, held_bytes=held, text_bytes=text)
         grant = await self.core.admission.admit(ask, waits=waits)
         if not grant.waiting:
-            if await self._chat(chat, grant, wait=False, turn=checked[-1] if checked else None):
+            if await self._chat(chat, grant, turn=checked[-1] if checked else None):
                 return
             # Another turn of the session came first after all (sent meanwhile on another connection or
             # gateway): this one waits too, off the read loop, holding a waiting slot like any other.
@@ -333,13 +333,13 @@ class Connection:
         info = await self.core.store.get(self.owner, prev)
         return prev, info is not None and info.state not in FINAL_STATES
 
-    async def _wait_previous_turn(self, id: str, dropped: asyncio.Event | None = None) -> str:
+    async def _wait_previous_turn(self, id: str, dropped: asyncio.Event) -> str:
         """Wait until the session's latest content turn has ended; its id ("" for none). A turn then
         sees the reply of the one before it, whichever connection or gateway sent either. Raises
         TurnDropped once ``dropped`` is set (a cancel of this turn)."""
         delay = 0.02
         while True:
-            if dropped is not None and dropped.is_set():
+            if dropped.is_set():
                 raise TurnDropped
             prev, pending = await self._previous_turn(id)
             if self._gone:
@@ -347,16 +347,13 @@ class Connection:
                 # one cancel (seen with redis-py: the loop then polled on until the previous turn ended,
                 # holding the closed connection). The turn ends with its connection, never submitted.
                 raise asyncio.CancelledError
-            if dropped is not None and dropped.is_set():
+            if dropped.is_set():
                 raise TurnDropped
             if not pending:
                 return prev
-            if dropped is None:
-                await asyncio.sleep(delay)
-            else:
-                with contextlib.suppress(TimeoutError):  # woken at once by a cancel of this turn
-                    async with asyncio.timeout(delay):
-                        await dropped.wait()
+            with contextlib.suppress(TimeoutError):  # woken at once by a cancel of this turn
+                async with asyncio.timeout(delay):
+                    await dropped.wait()
             delay = min(delay * 2, 0.25)
 
     async def _hello(self, hello: Hello) -> None:
@@ -405,13 +402,14 @@ class Connection:
         chat: Chat,
         grant: Grant,
         *,
-        wait: bool = True,
         turn: tuple[str, bool] | None = None,
         dropped: asyncio.Event | None = None,
     ) -> bool:
         """Submit an admitted chat and attach its stream; the grant goes to the stream, or is released.
-        ``wait`` False (called from the read loop): a content turn whose session's previous turn is
-        unfinished is not waited for here; False is returned and the grant stays the caller's. ``turn``:
+        ``dropped`` given (a waiting turn, off the read loop): a content turn waits here for its session's
+        previous turn, until a cancel sets ``dropped`` (TurnDropped). None (called from the read loop): a
+        content turn whose session's previous turn is unfinished is not waited for here; False is
+        returned and the grant stays the caller's. ``turn``:
         the session's previous turn as admission just read it (``_previous_turn``), used once instead of
         a second read; a turn that moved since is caught by the submit all the same (``turn_moved``)."""
         try:
@@ -419,7 +417,7 @@ class Connection:
                 user_message = None
                 turn_after: str | None = None
                 if chat.content is not None:
-                    if wait:
+                    if dropped is not None:
                         turn_after = await self._wait_previous_turn(chat.id, dropped)
                     else:
                         turn_after, pending = turn if turn is not None else await self._previous_turn(chat.id)
@@ -447,7 +445,7 @@ class Connection:
                 # wait for that one too.
                 if sub.result.outcome != "turn_moved":
                     break
-                if not wait:
+                if dropped is None:
                     return False
         except BaseException:
             grant.release()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jwt
 
 from protocol import ErrorCode, ProtocolError
+from protocol.codec import unicode_only
 
 # The optional JWT claim ``tier`` weights a user's fair share of the engine: a user of weight 2 gets twice
 # the tokens of a user of weight 1 while both have work waiting. A number is the weight itself (0.1-100);
@@ -44,18 +45,18 @@ def authenticate_user(token: str | None, secret: str | None) -> tuple[str | None
     sub = claims["sub"]
     # No NUL: the engine names a keyless caller's prompt_cache_key scope "<owner>\0<key>"
     # (engine/scheduler.Seq.scope), which no user's name may spell.
-    if not isinstance(sub, str) or not sub or "\0" in sub or not _utf8(sub):
+    if not isinstance(sub, str) or not sub or "\0" in sub or not _unicode(sub):
         raise ProtocolError(
             ErrorCode.UNAUTHORIZED, "hello.token: sub must be a non-empty Unicode string without NUL"
         )
     return sub, tier_weight(claims.get("tier"))
 
 
-def _utf8(text: str) -> bool:
+def _unicode(text: str) -> bool:
     # A JSON escape in the token can spell a lone surrogate ("\ud800"), which is not Unicode text: as the
     # user it would fail where the store encodes its keys (a 500 / 1011 instead of unauthorized).
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
+        unicode_only(text)
+    except ValueError:
         return False
     return True

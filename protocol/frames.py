@@ -54,12 +54,7 @@ def _is_number(v: object) -> bool:
 def _got(v: object) -> str:
     """What a field held, for "expected a number" errors: the value itself when it is a number that was
     refused (NaN, an infinity, an integer beyond the wire's range), else its type."""
-    if isinstance(v, float) or _is_int(v):
-        try:
-            return repr(v)[:40]
-        except ValueError:  # an integer too long to print (Python's digit limit)
-            return "a very long integer"
-    return _type_name(v)
+    return _short(v) if isinstance(v, float) or _is_int(v) else _type_name(v)
 
 
 def _short(v: object) -> str:

@@ -14,7 +14,7 @@ import functools
 import hashlib
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 from websockets.asyncio.server import ServerConnection as WebSocket
@@ -66,10 +66,18 @@ class TurnDropped(Exception):
 @dataclass(eq=False)
 class WaitingTurn:
     """A content-mode turn this connection holds (SPEC §4.2): ``dropped`` is set by a cancel of it, and
-    ``settled`` is done once it has been dropped, submitted or refused (what that cancel waits for)."""
+    ``settled`` is done once it has been dropped, submitted or refused (what that cancel waits for).
+    ``canonical`` and ``after``: its payload and the turn it waits for, for a resend of it."""
 
     dropped: asyncio.Event
     settled: asyncio.Future[None]
+    canonical: str = ""
+    after: str | None = None
+
+    @property
+    def held(self) -> bool:
+        """Still waiting (or being submitted): neither dropped nor settled."""
+        return not self.dropped.is_set() and not self.settled.done()
 
     def settle(self) -> None:
         if not self.settled.done():
@@ -232,6 +240,10 @@ class Connection:
     async def _chat_frame(self, chat: Chat) -> None:
         """Admit a chat, then submit it now, or (a content-mode turn whose previous turn is unfinished)
         answer ``waiting`` now and submit it once that turn ends (SPEC §4.2)."""
+        same = next((t for t in self._turns.get(chat.id, ()) if t.held), None)
+        if same is not None:
+            await self._resent_turn(chat, same)
+            return
         before = self._turn_chain
         after: list[str] = []
         checked: list[tuple[str, bool]] = []  # what waits() read, so that _chat need not read it again
@@ -264,14 +276,33 @@ class Connection:
             after.clear()
         # Its session's previous turn is still running: this one waits for it without holding up this
         # connection's other frames; turns sent on this connection are accepted in the order sent.
-        self.proto.send(Waiting(id=chat.id, after=after[0] if after else None))
-        turn = WaitingTurn(asyncio.Event(), asyncio.get_running_loop().create_future())
+        waits_for = after[0] if after else None
+        self.proto.send(Waiting(id=chat.id, after=waits_for))
+        turn = WaitingTurn(
+            asyncio.Event(), asyncio.get_running_loop().create_future(), chat.canonical(), waits_for
+        )
         task = asyncio.create_task(self._chat_after_wait(chat, grant, before, turn), name=f"turn-{chat.id}")
         self._waiting.add(task)
         task.add_done_callback(self._waiting.discard)
         self._turns.setdefault(chat.id, []).append(turn)
         task.add_done_callback(functools.partial(self._turn_ended, chat.id, turn))
         self._turn_chain = task
+
+    async def _resent_turn(self, chat: Chat, turn: WaitingTurn) -> None:
+        """A ``chat`` for the id of a turn this connection holds waiting (a client unsure its first one
+        arrived): the same payload is answered ``waiting`` again and changes nothing, a waiting slot
+        included; another payload is ``idempotency_conflict``, as it would be once the turn exists
+        (SPEC §4.2, §10.2). Rated as a chat all the same; it needs no room, like any chat of an id the
+        connection already holds (§6)."""
+        ask = replace(self._ask("chat", chat.id, text_bytes=len(chat.content or "")), stream=False)
+        (await self.core.admission.admit(ask)).release()
+        if chat.canonical() != turn.canonical:
+            raise ProtocolError(
+                ErrorCode.IDEMPOTENCY_CONFLICT,
+                "id: a turn with another payload is waiting under this id; use a new id for a new request",
+                id=chat.id,
+            )
+        self.proto.send(Waiting(id=chat.id, after=turn.after))
 
     def _turn_ended(self, id: str, turn: WaitingTurn, _task: asyncio.Task[None]) -> None:
         turn.settle()  # a task cancelled with its connection: a cancel waiting on it must not hang

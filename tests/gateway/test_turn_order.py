@@ -188,3 +188,35 @@ async def test_closing_with_turns_waiting_gives_back_every_stream(server: Runnin
                 break
             await asyncio.sleep(0.02)
     assert not sum(admission.streams_by_owner.values()) and not admission.waiting_by_session
+
+
+async def test_a_waiting_turn_sent_again_is_the_same_turn(server: Running) -> None:
+    # A client unsure its chat arrived sends it again (SPEC §10.2) while the server holds it waiting: the
+    # same turn, answered waiting again, with no second waiting slot or stream, and one done on its cancel.
+    # Before, the copy waited as a second turn: it took the session's last waiting slot, and a cancel
+    # answered two done frames.
+    c, _ = await _two_turns_waiting(server)
+    admission = server.gateway.core.admission
+    assert c.welcome is not None
+    slots = dict(admission.waiting_by_session), sum(admission.streams_by_owner.values())
+    assert slots == ({c.welcome.session: 2}, 3)  # a and b wait, at the session's limit of 2
+    frames: list[str] = []
+    async with asyncio.timeout(10):
+        await c.send(Chat(id="a", content="first queued", params=Params(max_tokens=3)))
+        await c.send(Chat(id="a", content="another text", params=Params(max_tokens=3)))
+        await c.send(Ping(ts=1))
+        while "pong:" not in frames:
+            f = await c.recv()
+            frames.append(f"{f.type}:{getattr(f, 'after', None) or getattr(f, 'code', '')}")
+        assert frames == ["waiting:t1", "error:idempotency_conflict", "pong:"]
+        assert (dict(admission.waiting_by_session), sum(admission.streams_by_owner.values())) == slots
+        await c.send(Cancel(id="a"))
+        await c.send(Cancel(id="t1"))
+        ends: list[str] = []
+        while "b" not in ends:
+            f = await c.recv()
+            if isinstance(f, Done):
+                ends.append(f.id)
+    assert ends == ["a", "t1", "b"]  # one done for a
+    assert server.engine.requests_started == 2  # t1 and b
+    await c.close()

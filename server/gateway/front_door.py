@@ -1,10 +1,13 @@
 """One port, two doors: every TCP connection's first request line decides who serves it.
 
-The gateway keeps ``websockets`` for ``/v1/ws`` (its per-connection memory and throughput are measured
-by ``make bench``) and for the plain GETs it already answers (``/healthz``, ``/readyz``, ``/metrics``, the
-UI). The OpenAI-compatible HTTP API (``POST`` bodies, streamed SSE responses) needs an HTTP/1.1 server
-that websockets is not, so the connection is handed to :class:`server.gateway.http_conn.HttpConnection`
-(h11) instead.
+The gateway keeps ``websockets`` for WebSocket handshakes (``/v1/ws``, whose per-connection memory and
+throughput ``make bench`` measures, and the Responses WebSocket mode). Every other request, the
+OpenAI-compatible HTTP API (``POST`` bodies, streamed SSE responses) and the plain GETs (``/healthz``,
+``/readyz``, ``/metrics``, the UI) alike, needs an HTTP/1.1 server that websockets is not: it answers
+only GET and closes without a word on a request line it cannot parse, a ``HEAD`` or a pipelined
+request. Those connections are handed to :class:`server.gateway.http_conn.HttpConnection` (h11)
+instead, which answers every request (400 for what is not HTTP/1.1, 405 with ``Allow``, a ``HEAD``
+without its body).
 
 The hand-off uses websockets' documented ``create_connection`` hook: websockets calls it for each new
 TCP connection with its sans-I/O protocol and server, and the returned :class:`FrontDoor` is the asyncio
@@ -24,14 +27,15 @@ from websockets.asyncio.server import Server, ServerConnection
 from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
-# A request line longer than this is not ours to parse: websockets answers it (414/400) as before.
+# A request line longer than this is not HTTP we answer: h11 refuses it (its own limit is 16 KiB).
 MAX_REQUEST_LINE = 8192
 
 WS_PATH = "/v1/ws"
 API_PREFIX = "/v1/"
-# OpenAI's Responses WebSocket mode: this path is the HTTP API's (POST) unless its GET asks for an upgrade,
-# which only the headers tell; they are read (at most MAX_HEAD bytes) before the hand-off.
+# OpenAI's Responses WebSocket mode: this path is the HTTP API's (POST) unless its GET asks for an upgrade.
 RESPONSES_PATH = "/v1/responses"
+# Whether a GET asks for an upgrade only its headers tell; they are read (at most this much) before the
+# hand-off. A longer head goes to websockets, whose handshake has limits of its own.
 MAX_HEAD = 16384
 
 
@@ -43,9 +47,9 @@ def is_http_api(path: str) -> bool:
 
 
 def request_path(line: bytes) -> str:
-    """The path of an HTTP request line (``GET /x HTTP/1.1``), or "" when it is not one."""
+    """The path of an HTTP/1.1 GET request line (``GET /x HTTP/1.1``), or "" when it is not one."""
     parts = line.split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+    if len(parts) != 3 or parts[0] != b"GET" or parts[2] != b"HTTP/1.1" or not parts[1]:
         return ""
     try:
         return parts[1].decode("ascii")
@@ -91,21 +95,24 @@ class FrontDoor(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
+        if self._buf.startswith(b"\r\n"):
+            # RFC 9112 §2.2: empty lines before a request line are ignored (h11 would refuse them).
+            self._buf = self._buf.lstrip(b"\r\n")
         end = self._buf.find(b"\r\n")
         if end < 0 and len(self._buf) <= MAX_REQUEST_LINE:
             return
         path = request_path(self._buf[:end]) if end >= 0 else ""
-        if path.split("?", 1)[0] == RESPONSES_PATH and self._buf.startswith(b"GET "):
+        if path and not (is_http_api(path) and path.split("?", 1)[0] != RESPONSES_PATH):
+            # A GET outside the API (or of the Responses WebSocket): websockets' if it is a handshake.
             head_end = self._buf.find(b"\r\n\r\n")
             if head_end < 0 and len(self._buf) <= MAX_HEAD:
                 return  # the rest of the headers
-            if head_end >= 0 and is_upgrade(self._buf[:head_end]):
+            if head_end < 0 or is_upgrade(self._buf[:head_end]):
                 self._hand_to(self._make_ws())
                 return
-        if is_http_api(path):
-            self._hand_to(self._make_http(self._make_ws))
-        else:
-            self._hand_to(self._make_ws())
+        # Everything else is plain HTTP, a request line that is not HTTP/1.1 GET included (h11 answers
+        # it, where websockets would close without a word).
+        self._hand_to(self._make_http(self._make_ws))
 
     def _hand_to(self, protocol: asyncio.Protocol) -> None:
         transport = self._transport

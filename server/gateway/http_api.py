@@ -119,11 +119,16 @@ class HttpApi:
         request = Request(req.target, Headers(list(req.headers.items())))
         request.method = req.method
         answer = self.plain(request)
-        if answer is None:  # /v1/ws: an upgrade must be the first request of its connection
-            body = b"a WebSocket must open its own connection\n"
+        if answer is None:
+            # /v1/ws without an upgrade, or after another request on its connection (RFC 9110 §15.5.22).
+            body = b"/v1/ws takes a WebSocket handshake (SPEC section 2.1) as the first request of its connection\n"
             return HttpResponse(
-                HTTPStatus.BAD_REQUEST.value,
-                [("Content-Type", "text/plain; charset=utf-8"), ("Connection", "close")],
+                HTTPStatus.UPGRADE_REQUIRED.value,
+                [
+                    ("Content-Type", "text/plain; charset=utf-8"),
+                    ("Upgrade", "websocket"),
+                    ("Connection", "close"),
+                ],
                 body,
             )
         headers = [

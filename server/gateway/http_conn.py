@@ -267,7 +267,7 @@ class HttpConnection(asyncio.Protocol):
                     log.exception("http.handler_failed", path=request.path)
                     response = self.error(500, "internal server error")
                 try:
-                    await self._respond(response)
+                    await self._respond(response, head=request.method == "HEAD")
                 finally:
                     response.close()
                 if self.h11.our_state is h11.MUST_CLOSE or self._closed:
@@ -327,6 +327,11 @@ class HttpConnection(asyncio.Protocol):
             return None
         if not isinstance(event, h11.Request):
             raise h11.RemoteProtocolError("expected a request")
+        if event.http_version not in (b"1.0", b"1.1"):  # h11 takes any digit.digit
+            raise h11.RemoteProtocolError(
+                f"HTTP/{event.http_version.decode()} is not supported; send HTTP/1.1",
+                error_status_hint=505,
+            )
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
         if len(headers) < len(event.headers):
             names = [k.lower() for k, _ in event.headers]
@@ -376,7 +381,9 @@ class HttpConnection(asyncio.Protocol):
                     await self._raw_response(resp)
                 return
         else:
-            resp = self.error(400, f"malformed HTTP request: {exc}"[:200])
+            # h11's hint: 400, or 431 (headers too large), 501 (a transfer coding it does not know), 505.
+            status = getattr(exc, "error_status_hint", 400)
+            resp = self.error(status, f"malformed HTTP request: {exc}"[:200])
         resp.headers.append(("Connection", "close"))
         with contextlib.suppress(Exception):
             await self._respond(resp)
@@ -414,12 +421,20 @@ class HttpConnection(asyncio.Protocol):
         if self._closed:
             raise asyncio.CancelledError
 
-    async def _respond(self, response: HttpResponse) -> None:
+    async def _respond(self, response: HttpResponse, *, head: bool = False) -> None:
+        """Write ``response``; ``head``: the request was HEAD, so its headers go out without the body
+        (RFC 9110 §9.3.2; h11 refuses body bytes after a HEAD)."""
         headers = [(k, v) for k, v in response.headers]
         if response.stream is None:
             headers.append(("Content-Length", str(len(response.body))))
-        await self._write(h11.Response(status_code=response.status, headers=headers))
-        if response.stream is None:
+        reason = HTTPStatus(response.status).phrase.encode() if response.status in _KNOWN else b""
+        await self._write(h11.Response(status_code=response.status, headers=headers, reason=reason))
+        if head:
+            if response.stream is not None:
+                aclose = getattr(response.stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        elif response.stream is None:
             if response.body:
                 await self._write(h11.Data(data=response.body))
         else:
@@ -433,6 +448,9 @@ class HttpConnection(asyncio.Protocol):
                 if aclose is not None:
                     await aclose()
         await self._write(h11.EndOfMessage())
+
+
+_KNOWN = frozenset(s.value for s in HTTPStatus)
 
 
 class _TooLarge(Exception):

@@ -163,9 +163,10 @@ class Gateway:
             if static is None:
                 return conn.respond(HTTPStatus.NOT_FOUND, f"not found; the WebSocket endpoint is {WS_PATH}\n")
             methods = {"GET": lambda conn, request: static}
-        handler = methods.get(request.method)
+        # HEAD is GET without the body (RFC 9110 §9.3.2): the HTTP door (http_conn.py) leaves it out.
+        handler = methods.get("GET" if request.method == "HEAD" else request.method)
         if handler is None:
-            allowed = ", ".join(sorted(methods))
+            allowed = ", ".join(sorted({*methods, "HEAD"} if "GET" in methods else methods))
             response = conn.respond(
                 HTTPStatus.METHOD_NOT_ALLOWED, f"method not allowed; allowed: {allowed}\n"
             )

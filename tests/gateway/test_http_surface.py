@@ -1,5 +1,6 @@
-"""The plain-HTTP surface of the client port (SPEC §2.3): GET only (405 otherwise, with Allow), 404 for
-unknown paths, and `/metrics` never public once auth is on or it has a port of its own."""
+"""The plain-HTTP surface of the client port (SPEC §2.3): GET and HEAD only (405 otherwise, with Allow), 404
+for unknown paths, 400 / 505 for what is not HTTP/1.1, and `/metrics` never public once auth is on or it
+has a port of its own."""
 
 from __future__ import annotations
 
@@ -43,13 +44,80 @@ async def _http(
         ("POST", "/v1/ws"),
         ("PATCH", "/ui/index.html"),
         ("OPTIONS", "/healthz"),
-        ("HEAD", "/healthz"),
     ],
 )
 async def test_other_methods_are_405_with_allow(server: Running, method: str, path: str) -> None:
     status, headers, _ = await _http(server.port, method, path)
     assert status == 405, (method, path, status)
-    assert headers["allow"] == "GET"
+    assert headers["allow"] == "GET, HEAD"
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/", "/config.json"])
+async def test_head_is_get_without_the_body(server: Running, path: str) -> None:
+    # RFC 9110 §9.3.2. Before, HEAD was 405 here, and on an API path the server wrote the 405's body
+    # after h11 had framed a HEAD response, failed with a traceback, and dropped the connection.
+    get_status, get_headers, body = await _http(server.port, "GET", path)
+    status, headers, empty = await _http(server.port, "HEAD", path)
+    assert (status, empty) == (get_status, b"")
+    assert headers["content-length"] == get_headers["content-length"] == str(len(body))
+
+
+async def _exchange(port: int, raw: bytes) -> bytes:
+    """Send raw bytes, read until the server closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(raw)
+        async with asyncio.timeout(10):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def test_head_on_an_api_path_is_405_without_a_body_and_the_connection_serves_on(
+    server: Running,
+) -> None:
+    answer = await _exchange(
+        server.port,
+        b"HEAD /v1/models/x HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    first, _, rest = answer.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 405 Method Not Allowed\r\n") and b"\r\nAllow: GET\r\n" in first
+    assert rest.startswith(b"HTTP/1.1 200 OK\r\n"), answer  # no body between them
+
+
+@pytest.mark.parametrize(
+    ("request_line", "status"),
+    [
+        (b"GET  /healthz  HTTP/1.1", b"400"),  # double spaces
+        (b"GET /v1/models?a= b HTTP/1.1", b"400"),  # a space in the target
+        (b"GET /healthz", b"400"),  # HTTP/0.9
+        (b"GET /healthz HTTP/2.0", b"505"),
+        (b"GET /v1/models HTTP/3.1", b"505"),
+        (b"\r\nGET /healthz HTTP/1.1", b"200"),  # an empty line first is ignored (RFC 9112 §2.2)
+        (b"GET /healthz HTTP/1.0", b"200"),
+    ],
+)
+async def test_a_request_line_is_answered_whatever_it_holds(
+    server: Running, request_line: bytes, status: bytes
+) -> None:
+    # Before, websockets took every line that was not an API path's, and closed without a word on one it
+    # could not parse.
+    answer = await _exchange(server.port, request_line + b"\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
+
+
+async def test_pipelined_plain_requests_get_the_first_answered_then_a_close(server: Running) -> None:
+    answer = await _exchange(
+        server.port,
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /readyz HTTP/1.1\r\nHost: x\r\n\r\n",
+    )
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"\r\n\r\nok\n"), answer
+
+
+async def test_ws_path_without_an_upgrade_is_426(server: Running) -> None:
+    status, headers, body = await _http(server.port, "GET", "/v1/ws")
+    assert (status, headers["upgrade"]) == (426, "websocket"), body
 
 
 @pytest.mark.parametrize(
@@ -107,7 +175,7 @@ async def test_metrics_port_serves_metrics_and_the_client_port_does_not(
         assert (await _http(mport, "POST", "/metrics"))[0] == 405
 
 
-async def test_a_request_with_a_body_is_refused_and_the_server_serves_on(server: Running) -> None:
-    with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
-        await _http(server.port, "POST", "/healthz", b'{"x": 1}')
+async def test_a_request_with_a_body_is_answered_and_the_server_serves_on(server: Running) -> None:
+    status, headers, _ = await _http(server.port, "POST", "/healthz", b'{"x": 1}')
+    assert (status, headers["connection"]) == (405, "close")
     assert (await _http(server.port, "GET", "/healthz"))[0] == 200

@@ -108,6 +108,19 @@ class DtypeChoice(NamedTuple):
     remembered: bool = False  # the figures are an earlier start's, from the cache folder
 
 
+def cast(model: Any, dtype: torch.dtype) -> Any:
+    """``model.to(dtype)`` (in place; returns it), but the rotary frequency buffers (``inv_freq``) stay
+    float32, as transformers keeps them when it loads a model in bf16: ``Module.to`` casts every float
+    buffer, and a bf16 ``inv_freq`` (8 bits of mantissa) puts the rotary angle of position 1,000 off by
+    up to a radian, so attention degrades with the length of the conversation."""
+    kept = [(name, buf) for name, buf in model.named_buffers() if name.endswith("inv_freq")]
+    model.to(dtype)  # replaces each buffer with a cast copy: ``kept`` still holds the originals
+    for name, buf in kept:
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, buf)  # a buffer's setattr keeps it a buffer, as it was
+    return model
+
+
 def pick_cpu_dtype(model: Any, cache_dir: Path | None = None) -> DtypeChoice:
     """The clearly faster of fp32 and a bf16 copy (nothing is measured for a model too small to matter,
     or not on the Llama path: fp32), or the choice ``cache_dir`` remembers for this machine."""
@@ -119,9 +132,9 @@ def pick_cpu_dtype(model: Any, cache_dir: Path | None = None) -> DtypeChoice:
     if known is not None:
         figures = {k: float(known[k]) for k in ("float32_ms", "bfloat16_ms")}
         if known["chosen"] == "bfloat16":
-            return DtypeChoice(model.to(torch.bfloat16), torch.bfloat16, figures, remembered=True)
+            return DtypeChoice(cast(model, torch.bfloat16), torch.bfloat16, figures, remembered=True)
         return DtypeChoice(model, torch.float32, figures, remembered=True)
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    bf16 = cast(copy.deepcopy(model), torch.bfloat16)
     fp32_s, bf16_s = interleaved_seconds(model, bf16)
     figures = {"float32_ms": fp32_s * 1000, "bfloat16_ms": bf16_s * 1000}
     keep_bf16 = bf16_s < BF16_MARGIN * fp32_s

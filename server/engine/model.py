@@ -226,15 +226,17 @@ def settle_dtype(loaded: LoadedModel, requested: str, cache_dir: Path | None = N
     choice is remembered for later starts (None: measured every time)."""
     import torch
 
+    from server.engine.dtype import cast
+
     if requested != "auto":
         want = getattr(torch, requested)
         if loaded.dtype != want:
-            loaded.model.to(want)
+            cast(loaded.model, want)
             loaded.dtype = want
         loaded.dtype_note = f"{requested} as asked"
         return
     if loaded.device.startswith("cuda"):
-        loaded.model.to(torch.bfloat16)
+        cast(loaded.model, torch.bfloat16)
         loaded.dtype = torch.bfloat16
         loaded.dtype_note = "bfloat16 (auto on CUDA)"
         return

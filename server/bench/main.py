@@ -220,6 +220,12 @@ def _floor(
             f"(the median step: {m['rows']} rows, {m['ms']} ms; {m['bytes_mb']} MB = {m['memory_ms']} ms "
             f"of reads, floor {m['floor_ms']} ms)"
         )
+    if not any(s.phases for s in decode):
+        # Not timed phase by phase (a GPU: server/engine/profile.py): the step's total only, said so.
+        results["profile"] = {"rows": top, "ms": {}, "phases": "not timed on this device"}
+        if profile:
+            echo("decode step profile: phases are timed on CPU only (on a GPU a lap would time launches)")
+        return
     parts = fl.breakdown(decode, top)
     results["profile"] = {"rows": top, "ms": parts}
     if profile and parts:

@@ -127,7 +127,7 @@ def _pct(xs: Sequence[float], p: float) -> float | None:
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # that device's stream, not the current one (--device cuda:1)
 
 
 def _release(device: str) -> None:
@@ -424,7 +424,8 @@ def _engine(
     engine.start(lambda outs: steps.put((time.perf_counter(), outs)))
     try:
         _engine_warmup(engine, steps, reqs)
-        engine.profile = StepProfile()  # a few microseconds a step: laps at phase boundaries
+        # A few microseconds a step: laps at phase boundaries, on CPU only (profile.py says why).
+        engine.profile = StepProfile(phases=torch.device(loaded.device).type == "cpu")
         tm = Timings()
         t0 = time.perf_counter()
         for i, r in enumerate(reqs):

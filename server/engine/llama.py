@@ -157,7 +157,10 @@ def _linear(module: Any, pack: bool, keep_plain: bool) -> Linear:
 
 def _fused(modules: list[Any], pack: bool, keep_plain: bool) -> Linear:
     """One linear layer out of several that read the same input (their outputs side by side). The
-    concatenated weight is a copy; the model's own tensors stay as they are."""
+    concatenated weight is a copy. Where it is what the runner reads (no packed copy: CUDA, or no
+    oneDNN), the model's own weights become views of it, so that each weight lives once (the 1.7B model
+    on a GPU held 2.2 GB twice) and the model's own forward, which the bench runs, reads the same numbers;
+    with a packed copy, release_model_linears frees the model's tensors instead."""
     w = torch.cat([m.weight.detach() for m in modules])
     biases = [getattr(m, "bias", None) for m in modules]
     b = None
@@ -167,7 +170,14 @@ def _fused(modules: list[Any], pack: bool, keep_plain: bool) -> Linear:
             for x, m in zip(biases, modules, strict=True)
         ]
         b = torch.cat(parts)
-    return _finish(w, b, pack, keep_plain)
+    lin = _finish(w, b, pack, keep_plain)
+    if lin.packed is None:
+        lo = 0
+        for m in modules:
+            hi = lo + m.weight.shape[0]
+            m.weight.data = w[lo:hi]  # rows [lo, hi) of a contiguous tensor: contiguous too
+            lo = hi
+    return lin
 
 
 def weights_of(model: Any, max_positions: int, *, pack: bool = True, keep_plain: bool = True) -> Weights:

@@ -1,8 +1,10 @@
 """Where a step's time goes, phase by phase: filled in only when ``tokenwire bench --profile`` asks.
 
 The engine, runner and forward pass call ``lap(phase)`` at phase boundaries; a lap charges the time since
-the previous one to ``phase``. On CPU every op is synchronous, so the laps add up to the step; on CUDA
-they would measure launch time, not kernel time (the profile is a CPU tool).
+the previous one to ``phase``. On CPU every op is synchronous, so the laps add up to the step. On CUDA
+they would time kernel launches, not kernels, and charge the step's GPU time to its first sync
+(sampling's copy to the host): a profile there records each step's total only (``phases=False``), which
+is right, since every step that samples ends in that sync.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class StepRecord:
 class StepProfile:
     """Per-step phase times. ``begin`` a step, ``lap`` at each boundary, ``end`` it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, phases: bool = True) -> None:
+        self.phases = phases  # False: step totals only (see the module's docstring)
         self.steps: list[StepRecord] = []
         self._t0 = self._t = time.perf_counter()
         self._phases: dict[str, float] = {}
@@ -41,6 +44,8 @@ class StepProfile:
         self._phases = {}
 
     def lap(self, phase: str) -> None:
+        if not self.phases:
+            return
         now = time.perf_counter()
         self._phases[phase] = self._phases.get(phase, 0.0) + now - self._t
         self._t = now
@@ -52,5 +57,6 @@ class StepProfile:
         """Time spent for the last step after it ended (the hand-off of its outputs)."""
         if self.steps:
             last = self.steps[-1]
-            last.phases[phase] = last.phases.get(phase, 0.0) + seconds
+            if self.phases:
+                last.phases[phase] = last.phases.get(phase, 0.0) + seconds
             last.seconds += seconds

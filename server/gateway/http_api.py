@@ -121,7 +121,7 @@ class HttpApi:
         answer = self.plain(request)
         if answer is None:
             # /v1/ws without an upgrade, or after another request on its connection (RFC 9110 §15.5.22).
-            body = b"/v1/ws takes a WebSocket handshake (SPEC section 2.1) as the first request of its connection\n"
+            body = b"/v1/ws takes a WebSocket handshake (SPEC 2.1), the first request of its connection\n"
             return HttpResponse(
                 HTTPStatus.UPGRADE_REQUIRED.value,
                 [

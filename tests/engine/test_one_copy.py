@@ -85,3 +85,25 @@ def test_one_copy_gives_the_same_tokens_and_releases_the_model_linears(tiny_mode
     got = drive(served, reqs, pools=pools, prefill_tokens=16, max_running=4, runner=runner)
     assert got.tokens == ref.tokens
     assert any(len(v) > 5 for v in got.tokens.values())
+
+
+def test_without_packed_copies_the_model_reads_views_of_the_fused_weights(tiny_model_dir: Path) -> None:
+    # The path a GPU takes (nothing is packed there, and release_model_linears frees nothing): the fused
+    # q/k/v and gate/up copies used to sit beside the model's own tensors, two copies of most weights.
+    m = load_model(tiny_model_dir, dtype="float32")
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    with torch.no_grad():
+        before = m.model(ids).logits
+    w = llama.weights_of(m.model, 64, pack=False)
+    for layer, ours in zip(m.model.model.layers, w.layers, strict=True):
+        a, mlp = layer.self_attn, layer.mlp
+        for fused, parts in (
+            (ours.qkv.w, (a.q_proj, a.k_proj, a.v_proj)),
+            (ours.gate_up.w, (mlp.gate_proj, mlp.up_proj)),
+        ):
+            storage = fused.untyped_storage().data_ptr()
+            assert all(p.weight.untyped_storage().data_ptr() == storage for p in parts)
+            assert all(p.weight.is_contiguous() for p in parts)
+            assert torch.equal(torch.cat([p.weight for p in parts]), fused)
+    with torch.no_grad():
+        assert torch.equal(m.model(ids).logits, before)  # the same numbers, one copy of them

@@ -347,3 +347,26 @@ def test_benchmarks_md_shows_prompt_reuse_by_sharing_mode() -> None:
     )
     assert "with key / without **0.50x**" in text  # medians: 550 / 1100
     assert _render_sharing(None) == []  # never measured: no section
+
+
+def test_a_profile_without_phases_keeps_step_totals_and_the_bench_says_so(
+    tiny_config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a GPU run records (server/engine/profile.py): phase laps there would time kernel launches, so
+    # the engine's steps carry their totals only, and the JSON says the phases were not timed rather
+    # than giving launch times as kernel times.
+    from server.engine.profile import StepProfile
+
+    recorded: list[StepProfile] = []
+
+    class TotalsOnly(StepProfile):
+        def __init__(self, *, phases: bool = True) -> None:
+            super().__init__(phases=False)
+            recorded.append(self)
+
+    monkeypatch.setattr(bench_paths, "StepProfile", TotalsOnly)
+    res = _run(tiny_config, tmp_path, dtype="float32")
+    steps = [s for p in recorded for s in p.steps]
+    assert steps and all(s.phases == {} and s.seconds > 0 for s in steps)
+    assert res["profile"]["ms"] == {} and res["profile"]["phases"] == "not timed on this device"
+    assert res["engine"]["step_over_roofline"] > 0  # from the steps' totals, as before

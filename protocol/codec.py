@@ -23,7 +23,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """A map from its key-value pairs (json's and msgpack's ``object_pairs_hook``); ValueError if a key
+    repeats, which readers would resolve differently (the first or the last one wins), so that a
+    checking proxy and this server could disagree on what a frame says."""
     d = dict(pairs)
     if len(d) != len(pairs):
         raise ValueError("an object repeats a key")
@@ -61,7 +64,7 @@ class Codec:
                     ErrorCode.BAD_FRAME, f"text message on {MSGPACK_SUBPROTOCOL}: send binary msgpack frames"
                 )
             try:
-                return msgpack.unpackb(data, raw=False, strict_map_key=True)
+                return msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=unique_keys)
             except Exception as exc:  # msgpack raises several unrelated types for bad input
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"invalid msgpack: {exc}"[:200]) from None
         if isinstance(data, bytes):
@@ -70,7 +73,7 @@ class Codec:
             )
         try:
             obj = unicode_only(
-                json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+                json.loads(data, parse_constant=_reject_constant, object_pairs_hook=unique_keys)
             )
         except (ValueError, RecursionError) as exc:
             raise ProtocolError(ErrorCode.BAD_FRAME, f"invalid JSON: {exc}"[:200]) from None

@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
-from protocol.codec import unicode_only
+from protocol.codec import unicode_only, unique_keys
 from protocol.frames import MAX_MODEL_CHARS
 from server.defaults import ANONYMOUS_HTTP_OWNER
 from server.gateway.admission import Ask, ConnectionLimits, Grant, Kind
@@ -415,9 +415,10 @@ def _no_constant(name: str) -> Any:
 
 
 def loads(data: str | bytes) -> Any:
-    """JSON from a client of the OpenAI doors: ValueError for NaN and Infinity, and for lone surrogates
-    (protocol.codec.unicode_only), which would fail later, when the text is hashed or stored."""
-    return unicode_only(json.loads(data, parse_constant=_no_constant))
+    """JSON from a client of the OpenAI doors: ValueError for NaN and Infinity, for an object that repeats
+    a key (protocol.codec.unique_keys), and for lone surrogates (protocol.codec.unicode_only), which
+    would fail later, when the text is hashed or stored."""
+    return unicode_only(json.loads(data, parse_constant=_no_constant, object_pairs_hook=unique_keys))
 
 
 def usage(end: LogEntry) -> dict[str, Any]:

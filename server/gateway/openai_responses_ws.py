@@ -91,10 +91,12 @@ class ResponsesSocket:
     async def _event(self, message: str | bytes) -> None:
         lane: Lane = None
         try:
+            if isinstance(message, bytes):  # SPEC §15.7: events are JSON text frames, as OpenAI's are
+                raise bad("a binary frame: send each event as a JSON text frame")
             try:
                 body = loads(message)
-            except (ValueError, RecursionError):
-                raise bad("the event is not valid JSON") from None
+            except (ValueError, RecursionError) as exc:
+                raise bad(f"the event is not valid JSON: {exc}"[:200]) from None
             if not isinstance(body, dict):
                 raise bad("an event must be a JSON object with a type")
             lane = _lane(body.get("stream_id"))

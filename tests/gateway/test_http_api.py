@@ -182,6 +182,12 @@ async def test_bad_bodies_get_documented_4xx_and_nothing_breaks(server: Running)
     assert status == 400
     status, _, body = await raw(port, "POST", "/v1/chat/completions", b'{"model": NaN}', json_h)
     assert status == 400
+    # A repeated key: the last one used to win, so {"model": "nope", "model": "default"} was a 200.
+    for twice in (b'"model":"nope","model":"default"', b'"model":"default","model":"nope"'):
+        status, _, body = await raw(
+            port, "POST", "/v1/chat/completions", b"{" + twice + b',"messages":[]}', json_h
+        )
+        assert status == 400 and "repeats a key" in json.loads(body)["error"]["message"], body
     status, _, body = await raw(port, "POST", "/v1/chat/completions", b"x" * (2 << 20), json_h)
     assert status == 413 and json.loads(body)["error"]["message"].startswith("request body larger")
     status, hdrs, _ = await raw(port, "GET", "/v1/chat/completions")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -186,6 +187,24 @@ async def test_refusals_name_the_field_and_the_socket_stays_usable(server: Runni
     ]
     assert "images" in errors[1].error.message and "tools" in errors[0].error.message
     assert ok[-1].type == "response.incomplete"
+
+
+async def test_a_binary_frame_or_a_repeated_key_gets_an_error_event(server: Running) -> None:
+    # SPEC §15.7: events are JSON text. Before, a binary frame was read as JSON all the same, and a
+    # repeated key let the last one win ("input": 5, "input": "x" created a response).
+    url = f"ws://127.0.0.1:{server.port}/v1/responses"
+    async with websockets.connect(url) as ws:
+        await ws.send(b'{"type":"response.create","model":"default","input":"x"}')
+        await ws.send('{"type":"response.create","model":"default","input":5,"input":"x"}')
+        errors = [json.loads(await asyncio.wait_for(ws.recv(), 10)) for _ in range(2)]
+        await ws.send('{"type":"response.create","model":"default","input":"ok","max_output_tokens":2}')
+        while (event := json.loads(await asyncio.wait_for(ws.recv(), 10)))["type"] not in END:
+            pass
+    assert [(e["type"], e["status"], e["error"]["code"]) for e in errors] == [
+        ("error", 400, "invalid_request_error")
+    ] * 2
+    assert "binary" in errors[0]["error"]["message"] and "repeats a key" in errors[1]["error"]["message"]
+    assert event["type"] == "response.incomplete"  # the socket serves on
 
 
 async def test_the_handshake_needs_a_jwt_when_auth_is_on(

@@ -182,6 +182,24 @@ def test_undecodable_messages_count_as_bad_frames() -> None:
     assert conn.close_code is CloseCode.POLICY_VIOLATION
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # {"type": "chat", "id": "m1", "id": "m2", "content": "x"}: msgpack spells what a dict cannot
+        b"\x84\xa4type\xa4chat\xa2id\xa2m1\xa2id\xa2m2\xa7content\xa1x",
+        b"\x82\xa4type\xa4chat\xa4type\xa4ping",  # {"type": "chat", "type": "ping"}
+    ],
+)
+def test_a_msgpack_map_that_repeats_a_key_is_a_bad_frame(raw: bytes) -> None:
+    # SPEC §2.1: one schema, both encodings. Before, JSON refused a repeated key and msgpack took the last
+    # value, so a proxy that reads the first could be shown one frame and the server act on another.
+    conn = _open(MSGPACK_SUBPROTOCOL)
+    conn.receive_data(raw)
+    assert conn.events_received() == []
+    (err,) = _errors(conn)
+    assert err.code == ErrorCode.BAD_FRAME and "repeats a key" in err.message
+
+
 def test_bad_frames_before_hello_count_too() -> None:
     conn = ServerConnection(MSGPACK_SUBPROTOCOL)
     for _ in range(MAX_CONSECUTIVE_BAD_FRAMES):

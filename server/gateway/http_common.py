@@ -361,9 +361,12 @@ class HttpCore:
                     owner=caller.owner,
                     chat=chat,
                     messages=[m.to_wire() for m in chat.messages or ()],
-                    # What decides retry vs. conflict: the generation's inputs, the model included (not
-                    # stream, stream_options or user).
-                    fingerprint=hashlib.sha256(f"{kind}\n{chat.canonical()}".encode()).hexdigest(),
+                    # What decides retry vs. conflict: the API, the generation's inputs, the model
+                    # included (not stream, stream_options or user), and background, which a retry cannot
+                    # change for the request it attaches to.
+                    fingerprint=hashlib.sha256(
+                        f"{kind}{'+background' if background else ''}\n{chat.canonical()}".encode()
+                    ).hexdigest(),
                     extra={"api": kind, "created": int(time.time()), **extra},
                     # Nobody has to stay attached to a background response: it lives until it ends (or
                     # the store's bound on unfinished requests), like a job.

@@ -132,6 +132,31 @@ async def test_same_idempotency_key_attaches_to_one_generation(server: Running) 
     assert server.engine.requests_started == 1
 
 
+async def test_a_retry_cannot_make_a_response_background_or_cross_apis(server: Running) -> None:
+    # SPEC §15.2: background is part of the fingerprint (a retry with it used to attach silently to the
+    # foreground response, which a client then believed exempt from the detach timeout), and so is the
+    # API that made the request.
+    client = sdk(server)
+    headers = {"Idempotency-Key": "bg-1"}
+    first = await client.responses.create(
+        model="default", input="hi", max_output_tokens=3, extra_headers=headers
+    )
+    again = await client.responses.create(
+        model="default", input="hi", max_output_tokens=3, extra_headers=headers
+    )
+    assert again.id == first.id and again.background is False
+    with pytest.raises(openai.ConflictError) as ei:
+        await client.responses.create(
+            model="default", input="hi", max_output_tokens=3, background=True, extra_headers=headers
+        )
+    assert ei.value.code == "idempotency_conflict"
+    with pytest.raises(openai.ConflictError):
+        await client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=3, extra_headers=headers
+        )
+    assert server.engine.requests_started == 1
+
+
 async def test_unsupported_fields_are_refused_by_name(server: Running) -> None:
     client = sdk(server)
     msgs = [{"role": "user", "content": "x"}]

@@ -4,7 +4,8 @@
 JSON lines otherwise; ``console`` and ``json`` force one. The libraries' own stdlib loggers (websockets,
 asyncio, redis) go through the same renderer, so a warning from them looks like ours, not like
 ``WARNING:websockets.server:...``. stdout is not a log: it carries only the few lines a script waits for
-("tokenwire listening on ...", "tokenwire ready: ...").
+("tokenwire listening on ...", "tokenwire ready: ..."). Python warnings are logged too, and JSON lines
+are not interrupted by progress bars.
 
 ``process`` (a cluster's child: ``gateway-0``, ``worker-1``) is added to every line, so the JSON lines
 of a cluster's processes, merged on one stream, still say whose they are.
@@ -68,6 +69,13 @@ def configure(level: str = "info", *, fmt: str | None = None, process: str | Non
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
+    # Python warnings (PyJWT's about a short HMAC key, say) through the same handler: by default they
+    # print two raw lines (message and source) to stderr.
+    logging.captureWarnings(True)
+    if json:
+        # Progress bars (the GGUF reader draws one on a first start) are not log lines. tqdm reads this
+        # when it is imported, which configure() precedes (torch and transformers load later).
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def _add_process(name: str) -> structlog.typing.Processor:

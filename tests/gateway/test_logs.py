@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -25,6 +27,7 @@ def restore_logging() -> Iterator[None]:
         structlog.reset_defaults()
         logging.getLogger().handlers[:] = handlers
         logging.getLogger().setLevel(level)
+        logging.captureWarnings(False)
 
 
 def test_json_lines_for_ours_and_the_libraries(capsys: pytest.CaptureFixture[str]) -> None:
@@ -39,6 +42,21 @@ def test_json_lines_for_ours_and_the_libraries(capsys: pytest.CaptureFixture[str
             x["process"] == "worker-1" and x["timestamp"].endswith("Z") and x["level"] in ("info", "warning")
         )
     assert lines[1]["logger"] == "websockets.server"
+
+
+def test_warnings_are_log_lines_and_json_turns_progress_bars_off(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, with --log-format json, PyJWT's warning about a short key came out as two raw lines (the
+    # message and its source), and the GGUF reader's progress bar as a run of carriage returns.
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    logs.configure("info", fmt="json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("The HMAC key is 16 bytes long", UserWarning, stacklevel=1)
+    (line,) = [json.loads(x) for x in capsys.readouterr().err.splitlines()]
+    assert line["level"] == "warning" and "The HMAC key is 16 bytes long" in line["event"]
+    assert os.environ["TQDM_DISABLE"] == "1"
 
 
 def test_console_lines_for_ours_and_the_libraries(capsys: pytest.CaptureFixture[str]) -> None:

@@ -33,6 +33,16 @@ def unique_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return d
 
 
+def json_error(exc: ValueError | RecursionError) -> str:
+    """Why ``json.loads`` refused a text, in the protocol's words: Python's own text for an integer of
+    more than 4,300 digits names a Python setting, of no use to a client."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    if "integer string conversion" in str(exc):
+        return "an integer of more than 4300 digits"
+    return str(exc)
+
+
 def unicode_only(obj: object) -> object:
     """``obj`` (parsed JSON) as it is, or ValueError (UnicodeEncodeError) where a string in it holds a
     lone surrogate: JSON escapes ("\\ud800", and json's decoding of bytes) can spell them, and they are
@@ -76,7 +86,7 @@ class Codec:
                 json.loads(data, parse_constant=_reject_constant, object_pairs_hook=unique_keys)
             )
         except (ValueError, RecursionError) as exc:
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"invalid JSON: {exc}"[:200]) from None
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"invalid JSON: {json_error(exc)}"[:200]) from None
         return obj
 
 

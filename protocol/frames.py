@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
+from msgpack import ExtType
+
 from protocol.errors import ErrorCode, ProtocolError
 
 PROTOCOL_VERSION = 1
@@ -75,6 +77,8 @@ def _type_name(v: object) -> str:
         return "string"
     if isinstance(v, bytes):
         return "binary"
+    if isinstance(v, ExtType):  # a namedtuple: not an array
+        return "msgpack extension type"
     if isinstance(v, list | tuple):
         return "array"
     if isinstance(v, Mapping):

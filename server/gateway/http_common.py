@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
-from protocol.codec import unicode_only, unique_keys
+from protocol.codec import json_error, unicode_only, unique_keys
 from protocol.frames import MAX_MODEL_CHARS
 from server.defaults import ANONYMOUS_HTTP_OWNER
 from server.gateway.admission import Ask, ConnectionLimits, Grant, Kind
@@ -285,7 +285,7 @@ class HttpCore:
         try:
             body = loads(req.body)
         except (ValueError, RecursionError) as exc:
-            raise bad(f"the body is not valid JSON: {exc}"[:200]) from None
+            raise bad(f"the body is not valid JSON: {json_error(exc)}"[:200]) from None
         if not isinstance(body, dict):
             raise bad("the body must be a JSON object")
         return body

@@ -113,7 +113,9 @@ class Responses:
         if "starting_after" in query:
             raw = query["starting_after"][-1]
             if not raw.isdigit() or len(raw) > 12:
-                raise bad("starting_after: a non-negative integer", param="starting_after")
+                raise bad(
+                    "starting_after: a non-negative integer of at most 12 digits", param="starting_after"
+                )
             after = int(raw)
         # A retrieve reads the whole log: admitted as a resume before the store is asked anything.
         grant = await self.api.admit(caller, rid[len(PREFIX) :], kind="resume", stream=stream == "true")

@@ -32,6 +32,7 @@ import structlog
 from websockets.asyncio.server import ServerConnection as WebSocket
 from websockets.exceptions import ConnectionClosed
 
+from protocol.codec import json_error
 from server.gateway.admission import Grant
 from server.gateway.http_common import ApiError, Caller, HttpCore, bad, loads
 from server.gateway.ingress import pace, peer_address
@@ -96,7 +97,7 @@ class ResponsesSocket:
             try:
                 body = loads(message)
             except (ValueError, RecursionError) as exc:
-                raise bad(f"the event is not valid JSON: {exc}"[:200]) from None
+                raise bad(f"the event is not valid JSON: {json_error(exc)}"[:200]) from None
             if not isinstance(body, dict):
                 raise bad("an event must be a JSON object with a type")
             lane = _lane(body.get("stream_id"))

@@ -484,3 +484,19 @@ def test_canonical_is_valid_json_with_unicode() -> None:
     c = _chat(content="naïve café 東京 🚀")
     assert json.loads(c.canonical()) == {"content": "naïve café 東京 🚀"}
     assert "東京" in c.canonical()
+
+
+@pytest.mark.parametrize(
+    ("subprotocol", "raw", "says"),
+    [
+        # Python's own text named a Python setting (sys.set_int_max_str_digits), of no use to a client.
+        (JSON_SUBPROTOCOL, '{"type":"ping","ts":' + "9" * 5000 + "}", "an integer of more than 4300 digits"),
+        # A msgpack extension value is a namedtuple: it was called an array.
+        (MSGPACK_SUBPROTOCOL, b"\x82\xa4type\xa4ping\xa2ts\xd4\x01\x00", "got msgpack extension type"),
+    ],
+)
+def test_bad_values_are_named_in_the_protocols_words(subprotocol: str, raw: str | bytes, says: str) -> None:
+    conn = _open(subprotocol)
+    conn.receive_data(raw)
+    (err,) = _errors(conn)
+    assert err.code == ErrorCode.BAD_FRAME and says in err.message, err.message

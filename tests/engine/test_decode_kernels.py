@@ -63,3 +63,12 @@ def test_by_hand_kq_matches_sdpa(
 def test_an_unknown_kernel_is_refused() -> None:
     with pytest.raises(ValueError, match="decode kernel 'flash'"):
         llama.Cache(SHAPE, [(2, 16)], dtype=torch.float32, device="cpu", decode_kernel="flash")
+
+
+def test_a_chunks_cache_rows_are_each_tokens_rows_in_order() -> None:
+    # The runner writes a prefill chunk's K/V through rows_range (one tensor op), a decode row's through
+    # rows_of: the same rows, token after token and head after head, in every pool.
+    cache = llama.Cache(SHAPE, [(3, 16), (2, 40)], dtype=torch.float32, device="cpu")
+    for pool, slot, start, n in ((0, 0, 0, 16), (0, 2, 5, 7), (1, 1, 0, 40), (1, 0, 33, 1)):
+        want = [r for pos in range(start, start + n) for r in cache.rows_of(pool, slot, pos)]
+        assert cache.rows_range(pool, slot, start, n).tolist() == want

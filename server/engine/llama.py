@@ -326,8 +326,8 @@ class PrefillChunk:
     tok_lo: int
     tok_hi: int
     start: int
-    # When start > 0: [rep*n, start + n] bool, row r*n + i (query i of a KV head's r-th query head)
-    # sees keys [0, start + i].
+    # When start > 0: [rep*n, start + n] additive (0 or -inf), in the cache's dtype: row r*n + i (query i
+    # of a KV head's r-th query head) sees keys [0, start + i].
     mask: Tensor | None = None
 
 

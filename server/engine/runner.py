@@ -143,6 +143,11 @@ class Runner:
             for w, s in zip(members, slots, strict=True):
                 lens[s] = w.start + 1
             length = max(lens)
+            if self.device.type == "cuda":
+                # CUDA's memory-efficient SDPA kernel wants the mask's rows 8-aligned and pads it again
+                # in every layer's call otherwise: keys up to the next multiple of 8 (masked, within the
+                # pool's slots), so that it pads nothing.
+                length = min(-(-length // 8) * 8, self.cache.pools[pool][1])
             visible = torch.arange(length)[None, :] < torch.tensor(lens)[:, None]  # [n_slots, length]
             # Additive (0 where visible, -inf elsewhere), made once a step: given a bool mask, SDPA makes
             # this itself in each of the step's calls, one per layer. On a 2-core AVX2 EPYC, alternated
@@ -181,8 +186,13 @@ class Runner:
             causal: torch.Tensor | None = None
             if w.start > 0:  # continues a cached prefix or an earlier chunk: causal, shifted by start
                 keys = torch.arange(w.start + w.n)
-                causal = keys[None, :] <= (w.start + torch.arange(w.n))[:, None]  # [n, start + n]
-                causal = causal.repeat(self.shape.rep, 1).to(dev)  # one copy per folded query head
+                hidden = keys[None, :] > (w.start + torch.arange(w.n))[:, None]  # [n, start + n]
+                # Additive, made once a step as the decode groups' masks are (SDPA would turn a bool
+                # mask into this in every layer's call); one copy per folded query head.
+                causal = torch.zeros(hidden.shape, dtype=self.cache.data.dtype).masked_fill_(
+                    hidden, float("-inf")
+                )
+                causal = causal.repeat(self.shape.rep, 1).to(dev)
             prefill.append(llama.PrefillChunk(pool, slot, lo, lo + w.n, w.start, causal))
             last_token[id(w)] = lo + w.n - 1
         logits_at = [last_token[id(w)] for w in work if w.sample]

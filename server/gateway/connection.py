@@ -302,7 +302,14 @@ class Connection:
                 "id: a turn with another payload is waiting under this id; use a new id for a new request",
                 id=chat.id,
             )
-        self.proto.send(Waiting(id=chat.id, after=turn.after))
+        if turn.held:
+            self.proto.send(Waiting(id=chat.id, after=turn.after))
+        elif chat.id in self._attached:
+            # Its wait ended during the admission's store call, and it was accepted: a waiting now would
+            # follow its accepted. The same chat of an attached id re-attaches from 0 (SPEC §8.9).
+            await self._resume(chat.id, 0, None)
+        else:
+            await self._chat_frame(chat)  # refused or dropped meanwhile: nothing holds it now
 
     def _turn_ended(self, id: str, turn: WaitingTurn, _task: asyncio.Task[None]) -> None:
         turn.settle()  # a task cancelled with its connection: a cancel waiting on it must not hang

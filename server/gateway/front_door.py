@@ -41,20 +41,29 @@ MAX_HEAD = 16384
 
 def is_http_api(path: str) -> bool:
     """Whether a request path belongs to the OpenAI-compatible HTTP API (everything under ``/v1/`` but
-    the WebSocket endpoint); every other path is answered by websockets, as before."""
+    the WebSocket endpoint)."""
     path = path.split("?", 1)[0]
     return path.startswith(API_PREFIX) and path != WS_PATH
 
 
-def request_path(line: bytes) -> str:
-    """The path of an HTTP/1.1 GET request line (``GET /x HTTP/1.1``), or "" when it is not one."""
+def request_line(line: bytes) -> tuple[str, str, str]:
+    """Method, target and version of an HTTP request line (``GET /x HTTP/1.1``), or three empty
+    strings when it is not one (h11 then says what is wrong with it)."""
     parts = line.split(b" ")
-    if len(parts) != 3 or parts[0] != b"GET" or parts[2] != b"HTTP/1.1" or not parts[1]:
-        return ""
+    if len(parts) != 3 or not parts[1] or not parts[2].startswith(b"HTTP/"):
+        return "", "", ""
     try:
-        return parts[1].decode("ascii")
+        method, target, version = (p.decode("ascii") for p in parts)
     except UnicodeDecodeError:
-        return ""
+        return "", "", ""
+    return method, target, version
+
+
+def _head_end(buf: bytes) -> int:
+    """Where a request head ends (its blank line), -1 if it has not yet: CRLF lines, or bare LF ones
+    (which h11 takes too), else such a head would wait here for the open timeout."""
+    crlf, lf = buf.find(b"\r\n\r\n"), buf.find(b"\n\n")
+    return min(x for x in (crlf, lf) if x >= 0) if crlf >= 0 or lf >= 0 else -1
 
 
 def is_upgrade(head: bytes) -> bool:
@@ -74,7 +83,7 @@ class FrontDoor(asyncio.Protocol):
     def __init__(
         self,
         make_ws: Callable[[], asyncio.Protocol],
-        make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol],
+        make_http: Callable[[bool], asyncio.Protocol],
         timeout_s: float,
         on_closed: Callable[[], None] | None = None,
     ) -> None:
@@ -101,18 +110,21 @@ class FrontDoor(asyncio.Protocol):
         end = self._buf.find(b"\r\n")
         if end < 0 and len(self._buf) <= MAX_REQUEST_LINE:
             return
-        path = request_path(self._buf[:end]) if end >= 0 else ""
-        if path and not (is_http_api(path) and path.split("?", 1)[0] != RESPONSES_PATH):
+        method, path, version = request_line(self._buf[:end]) if end >= 0 else ("", "", "")
+        api = is_http_api(path)
+        if method == "GET" and version == "HTTP/1.1" and (not api or path.split("?", 1)[0] == RESPONSES_PATH):
             # A GET outside the API (or of the Responses WebSocket): websockets' if it is a handshake.
-            head_end = self._buf.find(b"\r\n\r\n")
+            head_end = _head_end(self._buf)
             if head_end < 0 and len(self._buf) <= MAX_HEAD:
                 return  # the rest of the headers
             if head_end < 0 or is_upgrade(self._buf[:head_end]):
                 self._hand_to(self._make_ws())
                 return
-        # Everything else is plain HTTP, a request line that is not HTTP/1.1 GET included (h11 answers
-        # it, where websockets would close without a word).
-        self._hand_to(self._make_http(self._make_ws))
+        # Everything else is plain HTTP, a request line that is not one included (h11 answers it, where
+        # websockets would close without a word). ``api``: the first request is the HTTP API's, and
+        # only such a connection counts against the HTTP connection caps; any other ends after its one
+        # response, as it did in websockets (a health probe must be answered however full the caps).
+        self._hand_to(self._make_http(api))
 
     def _hand_to(self, protocol: asyncio.Protocol) -> None:
         transport = self._transport
@@ -141,7 +153,7 @@ SelectSubprotocol = Callable[[ServerConnection, Sequence[Subprotocol]], Subproto
 
 
 def front_door_factory(
-    make_http: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol],
+    make_http: Callable[[bool], asyncio.Protocol],
     timeout_s: float,
     select_subprotocol: SelectSubprotocol | None = None,
     on_closed: Callable[[], None] | None = None,

@@ -71,8 +71,12 @@ class HttpApi:
             Route("POST", p("/v1/responses/{id}/cancel"), responses.cancel),
         ]
 
-    def connection(self) -> HttpConnection:
-        """A new HTTP connection (the front door calls this when a connection's first request is ours)."""
+    def connection(self, *, api: bool = True) -> HttpConnection:
+        """A new HTTP connection (the front door calls this for every request but a WebSocket handshake).
+        ``api``: its first request is the HTTP API's. Only then is it counted against the HTTP caps and
+        told to the churn collector: any other (a health probe, the UI's files, a request line that is
+        not HTTP) closes after its one response, and a probe must be answered however full the caps, and
+        without making the gateway collect garbage every minute for it."""
         st = self.core.settings
         return HttpConnection(
             self.handle,
@@ -83,8 +87,8 @@ class HttpApi:
             ingress=self.core.admission.ingress,
             write_timeout_s=st.slow_reader_timeout_s,
             registry=self.connections,
-            caps=self.caps,
-            on_closed=self.on_closed,
+            caps=self.caps if api else None,
+            on_closed=self.on_closed if api else None,
         )
 
     async def handle(self, req: HttpRequest) -> HttpResponse:

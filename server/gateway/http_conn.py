@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -297,7 +298,8 @@ class HttpConnection(asyncio.Protocol):
             return
         reason = HTTPStatus(resp.status).phrase
         head = [f"HTTP/1.1 {resp.status} {reason}", *(f"{k}: {v}" for k, v in resp.headers)]
-        head += [f"Content-Length: {len(resp.body)}", "Connection: close"]
+        head += [f"Date: {email.utils.formatdate(usegmt=True)}", f"Content-Length: {len(resp.body)}"]
+        head.append("Connection: close")
         self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + resp.body)
         await self._linger()
 
@@ -425,6 +427,8 @@ class HttpConnection(asyncio.Protocol):
         """Write ``response``; ``head``: the request was HEAD, so its headers go out without the body
         (RFC 9110 §9.3.2; h11 refuses body bytes after a HEAD)."""
         headers = [(k, v) for k, v in response.headers]
+        if not any(k.lower() == "date" for k, _ in headers):
+            headers.append(("Date", email.utils.formatdate(usegmt=True)))  # RFC 9110 §6.6.1
         if response.stream is None:
             headers.append(("Content-Length", str(len(response.body))))
         reason = HTTPStatus(response.status).phrase.encode() if response.status in _KNOWN else b""

@@ -1,9 +1,11 @@
 """The gateway process: assembles the core (core.py) and the doors on it, one port for all of them.
 
-The websockets server serves the WebSocket protocol door (connection.py) and the plain HTTP endpoints
-(``/``, ``/healthz``, ``/readyz``, ``/metrics``, ``/config.json``); the front door hands the OpenAI-compatible
-HTTP API to http_api.py. This module holds process concerns only (listening, health, drain); every
-rule about what a client may do lives in the core. Nothing in the gateway imports this module.
+The websockets server serves the WebSocket doors (connection.py, and the Responses WebSocket); every
+other request, the OpenAI-compatible HTTP API and the plain HTTP endpoints (``/``, ``/healthz``,
+``/readyz``, ``/metrics``, ``/config.json``) alike, is handed by the front door to http_api.py, which
+answers the plain ones through this module's routes (``_process_request``). This module holds process
+concerns only (listening, health, drain); every rule about what a client may do lives in the core.
+Nothing in the gateway imports this module.
 """
 
 from __future__ import annotations
@@ -305,7 +307,7 @@ class Gateway:
             compression=None,  # per-message deflate costs CPU and memory per socket for ~20-byte frames
             # Every connection's first request line picks websockets or the HTTP API (front_door.py).
             create_connection=front_door_factory(
-                lambda _ws: self.http.connection(),
+                lambda api: self.http.connection(api=api),
                 open_timeout_s,
                 self._select_subprotocol,
                 self.collector.connection_closed,

@@ -124,6 +124,15 @@ async def test_connections_past_the_peer_cap_get_429_and_past_the_gateway_cap_50
         assert answer.startswith(b"HTTP/1.1 503")
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "overloaded"
         w4.close()
+        # Health probes and the UI are answered however full the caps: a gateway whose HTTP API
+        # connections are at the cap must not fail its liveness probe (and get restarted, dropping every
+        # WebSocket). Not counted in the caps, nor by the churn collector (a full collection a minute).
+        await asyncio.sleep(0.2)  # the refused connections above are closed, and counted, by now
+        closed = server.gateway.collector.closed
+        for path in ("/healthz", "/readyz", "/"):
+            status, _, _ = await _http(server.port, "GET", path)
+            assert status == 200, path
+        assert (api.caps.total, server.gateway.collector.closed) == (2, closed)
         for _, w in held:
             w.close()
         await asyncio.sleep(0.2)

@@ -52,7 +52,8 @@ async def test_other_methods_are_405_with_allow(server: Running, method: str, pa
     assert headers["allow"] == "GET, HEAD"
 
 
-@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/", "/config.json"])
+# Not /metrics: its counters move between the two requests, and its length with them.
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/", "/index.html", "/config.json"])
 async def test_head_is_get_without_the_body(server: Running, path: str) -> None:
     # RFC 9110 §9.3.2. Before, HEAD was 405 here, and on an API path the server wrote the 405's body
     # after h11 had framed a HEAD response, failed with a traceback, and dropped the connection.

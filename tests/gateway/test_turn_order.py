@@ -220,3 +220,42 @@ async def test_a_waiting_turn_sent_again_is_the_same_turn(server: Running) -> No
     assert ends == ["a", "t1", "b"]  # one done for a
     assert server.engine.requests_started == 2  # t1 and b
     await c.close()
+
+
+async def test_a_turn_sent_again_as_its_wait_ends_is_not_answered_waiting_after_its_accepted(
+    server: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The resend's admission reads the store (the owner's rate), and the turn's wait can end meanwhile.
+    # It was then answered waiting after its own accepted; now, accepted and still streaming, it is
+    # re-attached from 0 as any chat of an attached id is (SPEC §8.9).
+    server.engine.reply_len = 400
+    server.engine.step_s = 0.02
+    c = await Client.connect(server.url)
+    await c.send(Chat(id="t1", content="a long one", params=Params(max_tokens=300)))
+    await c.send(Chat(id="a", content="queued", params=Params(max_tokens=200)))  # 4 s once it runs
+    admission = server.gateway.core.admission
+    real = admission.store.rate
+    slow = {"once": True}
+
+    async def rate(*args: object, **kw: object) -> int:
+        if slow["once"]:
+            slow["once"] = False
+            await asyncio.sleep(1.0)  # t1's cancel takes effect, and a is accepted, meanwhile
+        return await real(*args, **kw)  # type: ignore[arg-type]
+
+    frames: list[str] = []
+    async with asyncio.timeout(15):
+        while "waiting:a" not in frames:
+            f = await c.recv()
+            frames.append(f"{f.type}:{getattr(f, 'id', '')}")
+        monkeypatch.setattr(admission.store, "rate", rate)
+        await c.send(Cancel(id="t1"))
+        await c.send(Chat(id="a", content="queued", params=Params(max_tokens=200)))
+        while "done:a" not in frames:
+            f = await c.recv()
+            if not isinstance(f, Delta):
+                frames.append(f"{f.type}:{getattr(f, 'id', '')}")
+    assert [x for x in frames if x.endswith(":a")] == ["waiting:a", "accepted:a", "accepted:a", "done:a"], (
+        frames
+    )
+    await c.close()

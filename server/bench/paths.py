@@ -446,7 +446,10 @@ def _engine(
                 if o.finish is not None:
                     pending.discard(o.key)
                     end = t
-        note = f"{engine.sched.preemptions} preemptions, {engine.steps} steps"
+        # The KV pools (slots x length) as sized: on a GPU from the memory free at the start, which a path
+        # before it may still hold (transformers' continuous batching takes 90% for its paged cache).
+        pools = "+".join(f"{n}x{length}" for n, length in engine.runner.cache.pools)
+        note = f"{engine.sched.preemptions} preemptions, {engine.steps} steps, KV pools {pools}"
         if step_log is not None:
             step_log.extend(engine.profile.steps)
         return tm.result(useful, end - t0, note)

@@ -236,7 +236,8 @@ def settle_dtype(loaded: LoadedModel, requested: str, cache_dir: Path | None = N
         loaded.dtype_note = f"{requested} as asked"
         return
     if loaded.device.startswith("cuda"):
-        cast(loaded.model, torch.bfloat16)
+        if loaded.dtype != torch.bfloat16:  # load_model loads in bf16 on CUDA already
+            cast(loaded.model, torch.bfloat16)
         loaded.dtype = torch.bfloat16
         loaded.dtype_note = "bfloat16 (auto on CUDA)"
         return

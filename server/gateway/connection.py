@@ -71,8 +71,8 @@ class WaitingTurn:
 
     dropped: asyncio.Event
     settled: asyncio.Future[None]
-    canonical: str = ""
-    after: str | None = None
+    canonical: str
+    after: str | None
 
     @property
     def held(self) -> bool:

@@ -296,8 +296,7 @@ class HttpConnection(asyncio.Protocol):
         before a whole request has arrived), then linger so that the client reads it."""
         if self.transport is None or self._closed:
             return
-        reason = HTTPStatus(resp.status).phrase
-        head = [f"HTTP/1.1 {resp.status} {reason}", *(f"{k}: {v}" for k, v in resp.headers)]
+        head = [f"HTTP/1.1 {resp.status} {_reason(resp.status)}", *(f"{k}: {v}" for k, v in resp.headers)]
         head += [f"Date: {email.utils.formatdate(usegmt=True)}", f"Content-Length: {len(resp.body)}"]
         head.append("Connection: close")
         self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + resp.body)
@@ -431,7 +430,7 @@ class HttpConnection(asyncio.Protocol):
             headers.append(("Date", email.utils.formatdate(usegmt=True)))  # RFC 9110 §6.6.1
         if response.stream is None:
             headers.append(("Content-Length", str(len(response.body))))
-        reason = HTTPStatus(response.status).phrase.encode() if response.status in _KNOWN else b""
+        reason = _reason(response.status).encode()
         await self._write(h11.Response(status_code=response.status, headers=headers, reason=reason))
         if head:
             if response.stream is not None:
@@ -455,6 +454,11 @@ class HttpConnection(asyncio.Protocol):
 
 
 _KNOWN = frozenset(s.value for s in HTTPStatus)
+
+
+def _reason(status: int) -> str:
+    """The status line's reason phrase ("" for a code HTTPStatus does not know)."""
+    return HTTPStatus(status).phrase if status in _KNOWN else ""
 
 
 class _TooLarge(Exception):

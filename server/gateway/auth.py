@@ -42,6 +42,11 @@ def authenticate_user(token: str | None, secret: str | None) -> tuple[str | None
         raise ProtocolError(ErrorCode.UNAUTHORIZED, "hello.token: the JWT has expired") from None
     except jwt.InvalidTokenError as exc:
         raise ProtocolError(ErrorCode.UNAUTHORIZED, f"hello.token: invalid JWT ({exc})"[:200]) from None
+    for name in ("exp", "nbf", "iat"):
+        # RFC 7519's NumericDate is a JSON number; PyJWT also takes a string of digits ("exp": "1796...").
+        value = claims.get(name)
+        if name in claims and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, f"hello.token: invalid JWT ({name} must be a number)")
     sub = claims["sub"]
     # No NUL: the engine names a keyless caller's prompt_cache_key scope "<owner>\0<key>"
     # (engine/scheduler.Seq.scope), which no user's name may spell.

@@ -31,7 +31,18 @@ PlainAnswer = Callable[[Request], Response | None]
 
 # The codes SPEC §15.6 gives the answers the connection itself makes (before any handler runs): the
 # connection caps' 429 and 503, and a server fault. 408 and 413 have none.
-_CONNECTION_CODES = {429: "rate_limited", 503: "overloaded", 500: "internal"}
+# The code of each error the HTTP layer answers itself, before any route (SPEC §15.6).
+_CONNECTION_CODES = {
+    400: "invalid_request_error",
+    408: "request_timeout",
+    413: "request_too_large",
+    429: "rate_limited",
+    431: "headers_too_large",
+    500: "internal",
+    501: "unsupported_transfer_coding",
+    503: "overloaded",
+    505: "http_version_not_supported",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import structlog
 
 from protocol import Chat, ErrorCode, ProtocolError, parse_client_frame
 from protocol.codec import json_error, unicode_only, unique_keys
-from protocol.frames import MAX_MODEL_CHARS
+from protocol.frames import MAX_MODEL_CHARS, MAX_TOKEN_CHARS
 from server.defaults import ANONYMOUS_HTTP_OWNER
 from server.gateway.admission import Ask, ConnectionLimits, Grant, Kind
 from server.gateway.auth import authenticate_user
@@ -180,6 +180,10 @@ def caller_of(authorization: str, secret: str | None) -> Caller:
     every OpenAI door: an HTTP request's and a Responses WebSocket handshake's ``Authorization``."""
     scheme, _, token = authorization.partition(" ")
     bearer = token.strip() if scheme.lower() == "bearer" else ""
+    if len(bearer) > MAX_TOKEN_CHARS:  # as hello.token's bound (SPEC §15.2), with auth on or off
+        raise ApiError(
+            401, f"Authorization: longer than {MAX_TOKEN_CHARS} characters", code="invalid_api_key"
+        )
     if secret is not None:
         try:
             user, weight = authenticate_user(bearer or None, secret)
@@ -420,7 +424,13 @@ def _no_constant(name: str) -> Any:
 def loads(data: str | bytes) -> Any:
     """JSON from a client of the OpenAI doors: ValueError for NaN and Infinity, for an object that repeats
     a key (protocol.codec.unique_keys), and for lone surrogates (protocol.codec.unicode_only), which
-    would fail later, when the text is hashed or stored."""
+    would fail later, when the text is hashed or stored. Bytes must be UTF-8 (SPEC §15.1), whatever a
+    charset parameter says: ``json.loads`` would also take UTF-16, UTF-32 and a byte-order mark."""
+    if isinstance(data, bytes | bytearray):
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"not UTF-8 (byte {exc.start})") from None
     return unicode_only(json.loads(data, parse_constant=_no_constant, object_pairs_hook=unique_keys))
 
 

@@ -32,6 +32,8 @@ from server.gateway.ingress import Ingress, Pace
 
 log = structlog.get_logger(__name__)
 
+MAX_HEAD_BYTES = 16 * 1024  # a request's line and headers (SPEC §15.1: past it, 431)
+
 
 @dataclass(slots=True)
 class HttpRequest:
@@ -133,7 +135,7 @@ class HttpConnection(asyncio.Protocol):
         self._ingress = ingress
         self._pace_of: Pace | None = None
         self._paused = False
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.transport: asyncio.Transport | None = None
         self._data = asyncio.Event()
         self._writable = asyncio.Event()
@@ -333,6 +335,14 @@ class HttpConnection(asyncio.Protocol):
                 f"HTTP/{event.http_version.decode()} is not supported; send HTTP/1.1",
                 error_status_hint=505,
             )
+        # h11's bound covers only a head still arriving: one that came whole in a single read is parsed
+        # at any size, so the 16 KiB of SPEC §15.1 are counted here too (the request line and each
+        # header's "name: value\r\n").
+        head = len(event.method) + len(event.target) + 12 + sum(len(k) + len(v) + 4 for k, v in event.headers)
+        if head > MAX_HEAD_BYTES:
+            raise h11.RemoteProtocolError(
+                f"request head larger than {MAX_HEAD_BYTES} bytes", error_status_hint=431
+            )
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
         if len(headers) < len(event.headers):
             names = [k.lower() for k, _ in event.headers]
@@ -384,7 +394,7 @@ class HttpConnection(asyncio.Protocol):
         else:
             # h11's hint: 400, or 431 (headers too large), 501 (a transfer coding it does not know), 505.
             status = getattr(exc, "error_status_hint", 400)
-            resp = self.error(status, f"malformed HTTP request: {exc}"[:200])
+            resp = self.error(status, f"malformed HTTP request: {_plain_words(exc)}"[:200])
         resp.headers.append(("Connection", "close"))
         with contextlib.suppress(Exception):
             await self._respond(resp)
@@ -459,6 +469,15 @@ _KNOWN = frozenset(s.value for s in HTTPStatus)
 def _reason(status: int) -> str:
     """The status line's reason phrase ("" for a code HTTPStatus does not know)."""
     return HTTPStatus(status).phrase if status in _KNOWN else ""
+
+
+def _plain_words(exc: Exception) -> str:
+    """An HTTP parser error in words a client can use: h11 quotes the offending bytes as Python reprs
+    ("illegal chunk header: bytearray(b'-5\\r\\n')"), so a message that does keeps its words only."""
+    text = str(exc)
+    if "b'" in text or 'b"' in text:
+        text = text.split(":", 1)[0]
+    return text
 
 
 class _TooLarge(Exception):

@@ -37,7 +37,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # Fields tokenwire accepts only with the value that means "nothing special" (what many clients send by
 # default); any other value is refused with a 400 naming the field.
 NEUTRAL: dict[str, Any] = {
-    "n": lambda v: v == 1,
+    "n": lambda v: type(v) is int and v == 1,  # not True, not 1.0 (SPEC §3: neither is an integer)
     "logprobs": lambda v: v is False,
     "logit_bias": lambda v: v == {},
     "tools": lambda v: v == [],

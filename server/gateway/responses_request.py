@@ -158,9 +158,11 @@ async def plan_create(
     cache_key = prompt_cache_key(body)
     history: list[dict[str, str]] = []
     prev_id = body.get("previous_response_id")
+    if prev_id is not None and not isinstance(prev_id, str):
+        raise bad("previous_response_id: expected a string", param="previous_response_id")
+    if prev_id == "":
+        prev_id = None  # SPEC §15.4: null or "" continue nothing (SDKs send "" for "none")
     if prev_id is not None:
-        if not isinstance(prev_id, str):
-            raise bad("previous_response_id: expected a string", param="previous_response_id")
         if local is not None and prev_id in local:
             history = list(local[prev_id])  # a warm-up: its conversation, nothing generated
         else:

@@ -162,6 +162,8 @@ async def test_unsupported_fields_are_refused_by_name(server: Running) -> None:
     msgs = [{"role": "user", "content": "x"}]
     cases = [
         ({"n": 2}, "n"),
+        ({"n": True}, "n"),  # SPEC §3: a boolean is not an integer, and 1.0 is not one either
+        ({"n": 1.0}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"logprobs": True}, "logprobs"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -353,6 +355,11 @@ async def test_previous_response_id_continues_the_conversation(server: Running) 
     )
     # The fake engine's first word counts the messages it saw: system + user + assistant + user.
     assert second.output_text.startswith("re[4] two")
+    # "" continues nothing, as null does (SPEC §15.4; some SDKs send it for "none").
+    alone = await client.responses.create(
+        model="default", input="two", previous_response_id="", max_output_tokens=3
+    )
+    assert alone.output_text.startswith("re[1] two") and alone.previous_response_id is None
 
 
 async def test_stream_without_key_is_cancelled_when_the_client_drops(server: Running) -> None:

@@ -61,6 +61,20 @@ def test_authenticate_user_reads_the_tier_and_still_requires_sub() -> None:
     for sub in ("\ud800", "ab\udfff"):
         with pytest.raises(ProtocolError, match="Unicode string"):
             authenticate_user(token(sub), SECRET)
+    # RFC 7519's NumericDate is a number: PyJWT alone would take "exp": "<digits>" (and a bool's int).
+    later = int(time.time() + 60)
+    for claims in (
+        {"exp": str(later)},
+        {"exp": later, "nbf": "0"},
+        {"exp": True},
+        {"exp": later, "iat": [1]},
+    ):
+        with pytest.raises(ProtocolError) as ei:  # the last two: PyJWT's own refusals (expired, not an int)
+            authenticate_user(jwt.encode({"sub": "ann", **claims}, SECRET, algorithm="HS256"), SECRET)
+        assert ei.value.code == "unauthorized"
+        if isinstance(claims.get("exp"), str) or "nbf" in claims:
+            assert "must be a number" in ei.value.message
+    assert authenticate_user(token("ann", nbf=0, iat=float(later - 120)), SECRET) == ("ann", 1.0)
 
 
 class RecordingEngine(FakeEngine):

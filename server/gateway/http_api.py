@@ -29,9 +29,8 @@ from server.gateway.openai_responses import Responses
 PlainAnswer = Callable[[Request], Response | None]
 
 
-# The codes SPEC §15.6 gives the answers the connection itself makes (before any handler runs): the
-# connection caps' 429 and 503, and a server fault. 408 and 413 have none.
-# The code of each error the HTTP layer answers itself, before any route (SPEC §15.6).
+# The code SPEC §15.6 gives each answer the connection itself makes, before any route: an HTTP request
+# it cannot take (400, 408, 413, 431, 501, 505), the connection caps' 429 and 503, and a server fault.
 _CONNECTION_CODES = {
     400: "invalid_request_error",
     408: "request_timeout",

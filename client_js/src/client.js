@@ -7,7 +7,7 @@
 // resume point {id, offset, epoch} for every request that had been accepted, and resends the chats that
 // had not. Application pings find connections that died silently (a phone switching networks).
 
-import { SUBPROTOCOLS, MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL, CodecError, createCodec } from "./codec.js";
+import { SUBPROTOCOLS, MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL, CodecError, WireFloat, createCodec } from "./codec.js";
 import { Emitter } from "./emitter.js";
 import * as F from "./frames.js";
 import { defaultStorage } from "./storage.js";
@@ -20,6 +20,8 @@ export const MAX_PERSISTED_TEXT = 64 * 1024;
 const PERSIST_EVERY_MS = 250;
 
 const FATAL_CLOSE_CODES = new Set([1002, 1008]);
+// SPEC §2.2: the largest message the server reads, when its welcome has not said (limits.max_frame_bytes).
+export const DEFAULT_MAX_FRAME_BYTES = 1048576;
 const MAX_RESETS = 5;
 
 /** An error from the server (its `code` is one of SPEC §6) or from the client itself. */
@@ -124,6 +126,12 @@ export class ChatStream {
       this.text = "";
       this.offset = 0;
     }
+    this.#items.push(item);
+    this.#notify();
+  }
+
+  /** Queue an item for the iterator without adding to `text` (which already holds it): restore(). */
+  _prime(item) {
     this.#items.push(item);
     this.#notify();
   }
@@ -278,9 +286,18 @@ export class TokenwireClient extends Emitter {
     if (this.#state === "closed") throw new TokenwireError("closed", "the client is closed; call connect()");
     if (this.#requests.has(id)) throw new TypeError(`request ${id} is already in progress`);
     const frame = F.chat(typeof input === "string" ? { id, content: input, params } : { id, messages: input, params });
+    // A frame over the server's limit would close every connection it is sent on (1009), and with it
+    // every other request's, again at each reconnect. Its text alone bounds its size from below (UTF-8
+    // takes at least one byte per UTF-16 unit): past the limit, refused here; a frame whose encoding
+    // only just passes it is refused when it is encoded (#drive).
+    const units = frame.content != null ? frame.content.length : frame.messages.reduce((n, m) => n + m.content.length, 0);
+    if (units > this.#maxFrameBytes()) {
+      throw new TokenwireError("too_large", `the chat frame would exceed the server's ${this.#maxFrameBytes()} bytes (SPEC §2.2)`, { id });
+    }
     const req = this.#track(id, frame, 0, null, "");
     this.#drive(req);
     if (signal) this.#bindSignal(req, signal);
+    this.#flushPersisted(); // kept from the start: an app killed before its accepted sends it again
     return req.stream;
   }
 
@@ -436,9 +453,30 @@ export class TokenwireClient extends Emitter {
     const saved = await this.#readPersisted();
     const out = [];
     for (const [id, e] of Object.entries(saved)) {
-      if (this.#requests.has(id)) continue;
-      const keep = typeof e.text === "string" && e.text.length > 0;
-      const stream = this.resume(id, keep ? { offset: e.offset, epoch: e.epoch ?? null, text: e.text } : {});
+      if (this.#requests.has(id) || !e || typeof e !== "object") continue;
+      if (e.chat) {
+        // A chat the server had not accepted when the app went (sent, waiting its turn, or refused for
+        // now): sent again with the same id, which attaches to it if the server did take it (SPEC §10.2).
+        let frame;
+        try {
+          frame = F.toWire({ ...e.chat, type: "chat", id });
+        } catch {
+          continue; // not a chat this client could have saved: skipped, never a crash at launch
+        }
+        const req = this.#track(id, frame, 0, null, "");
+        this.#drive(req);
+        out.push({ id, stream: req.stream });
+        continue;
+      }
+      const keep = typeof e.text === "string" && e.text.length > 0 && Number.isSafeInteger(e.offset) && e.offset > 0;
+      let stream;
+      try {
+        stream = this.resume(id, keep ? { offset: e.offset, epoch: e.epoch ?? null, text: e.text } : {});
+      } catch {
+        continue;
+      }
+      // The stream starts with the saved text: one delta for [0, offset), then the rest as it comes.
+      if (keep) stream._prime({ type: "delta", id, offset: 0, n: e.offset, text: e.text });
       out.push({ id, stream });
     }
     return out;
@@ -481,13 +519,30 @@ export class TokenwireClient extends Emitter {
     if (!conn?.welcomed || req.phase !== "queued" || req.stream.ended) return;
     if (req.accepted) this.#sendResume(req, req.offset);
     else {
+      let data;
+      try {
+        data = conn.codec.encode(req.frame);
+      } catch (err) {
+        this.#end(req, null, err);
+        return;
+      }
+      const bytes = typeof data === "string" ? utf8Length(data) : data.byteLength;
+      if (bytes > this.#maxFrameBytes()) {
+        this.#end(req, null, new TokenwireError("too_large", `the chat frame is ${bytes} bytes; the server reads at most ${this.#maxFrameBytes()} (SPEC §2.2)`, { id: req.id }));
+        return;
+      }
       req.phase = "sent";
       req.conn = conn;
       req.everSent = true;
       req.requested = 0;
-      this.#send(req.frame);
+      this.#sendData(conn, data);
     }
     if (req.cancelRequested) this.#send(F.cancel({ id: req.id }));
+  }
+
+  #maxFrameBytes() {
+    const n = this.welcome?.limits?.max_frame_bytes;
+    return Number.isSafeInteger(n) && n > 0 ? n : DEFAULT_MAX_FRAME_BYTES;
   }
 
   #sendResume(req, offset) {
@@ -531,23 +586,39 @@ export class TokenwireClient extends Emitter {
     }, PERSIST_EVERY_MS);
   }
 
-  /** Write the replies in flight that the server has accepted (the newest MAX_PERSISTED). */
+  /**
+   * Write the requests in flight (the newest MAX_PERSISTED): an accepted one as its offset, epoch and
+   * text so far; one the server has not accepted yet (sent, waiting its turn, refused for now) as its
+   * chat frame, to be sent again on restore, when that frame's JSON is at most MAX_PERSISTED_TEXT.
+   */
   #flushPersisted() {
     if (!this.#persist) return;
     clearTimeout(this.#persistTimer);
     this.#persistTimer = null;
     const entries = {};
-    const accepted = [...this.#requests.values()].filter((r) => r.accepted && !r.stream.ended);
-    for (const req of accepted.slice(-MAX_PERSISTED)) {
+    const live = [...this.#requests.values()].filter((r) => !r.stream.ended && (r.accepted || r.frame));
+    for (const req of live.slice(-MAX_PERSISTED)) {
+      if (!req.accepted) {
+        const chat = persistableChat(req.frame);
+        if (chat) entries[req.id] = { chat };
+        continue;
+      }
       const text = req.stream.text;
       entries[req.id] =
         text.length <= MAX_PERSISTED_TEXT
           ? { offset: req.stream.offset, epoch: req.stream.epoch ?? null, text }
           : { offset: 0, epoch: null, text: "" }; // too long to keep: replayed whole on restore
     }
-    const write = Object.keys(entries).length
-      ? this.#persist.setItem(this.#persistKey, JSON.stringify(entries))
-      : this.#persist.removeItem(this.#persistKey);
+    let write;
+    try {
+      // Web Storage throws synchronously (QuotaExceededError), as MMKV may: reported, never thrown
+      // out of a timer, a socket handler, pause() or close().
+      write = Object.keys(entries).length
+        ? this.#persist.setItem(this.#persistKey, JSON.stringify(entries))
+        : this.#persist.removeItem(this.#persistKey);
+    } catch (err) {
+      write = Promise.reject(err);
+    }
     Promise.resolve(write).catch((err) => this.emit("error", err));
   }
 
@@ -694,6 +765,7 @@ export class TokenwireClient extends Emitter {
         if (req && !req.accepted) {
           req.stream.state = "waiting";
           req.stream.waitingFor = frame.after ?? null;
+          this.#flushPersisted(); // a waiting turn lives in this client alone: kept for a relaunch
           this.emit("waiting", { id: req.id, after: frame.after ?? null });
         }
         break;
@@ -751,8 +823,12 @@ export class TokenwireClient extends Emitter {
       req.conn = this.#conn;
     }
     req.phase = "attached";
+    const first = !req.accepted;
     req.accepted = true;
     req.stream.state = f.state;
+    // Saved at once, not at the next delta's throttled write: an app killed between its accepted and
+    // that write must still find the request on relaunch.
+    if (first) this.#flushPersisted();
     if (typeof f.model === "string") req.stream.model = f.model;
     if (req.epoch != null && req.epoch !== f.epoch) {
       // The log restarted under a new epoch: what we hold belongs to another generation (SPEC §10.4).
@@ -805,6 +881,14 @@ export class TokenwireClient extends Emitter {
         // The log we held is gone (or the offset was refused): drop the text, replay from 0.
         if (this.#reset(req, "resume_failed")) this.#sendResume(req, 0);
         return;
+      case "not_found":
+        if (req.cancelRequested && !req.accepted) {
+          // Our cancel of a chat the server never took (refused for now, its retry not yet sent): there
+          // is nothing to stop, and the stream ends cancelled, as the caller asked.
+          this.#end(req, { finish_reason: "cancelled", offset: 0, usage: { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 } });
+          return;
+        }
+        break;
       case "overloaded":
       case "rate_limited": {
         // Nothing was created: send the same frame again (same id) after the server's delay.
@@ -831,10 +915,21 @@ export class TokenwireClient extends Emitter {
   }
 
   #sendOn(conn, frame) {
+    let data;
+    try {
+      data = conn.codec.encode(frame);
+    } catch (err) {
+      this.emit("error", err);
+      return;
+    }
+    this.#sendData(conn, data);
+  }
+
+  #sendData(conn, data) {
     const ws = conn.ws;
     if (!ws || ws.readyState !== 1) return; // lost frames are resent from the request records
     try {
-      ws.send(conn.codec.encode(frame));
+      ws.send(data);
     } catch (err) {
       this.emit("error", err);
     }
@@ -911,7 +1006,11 @@ export class TokenwireClient extends Emitter {
       if (conn.helloError?.code === "unauthorized" && conn.helloSession && !this.#opts.keepSessionOnUnauthorized) {
         // Most likely the stored session token is stale or from another deployment: a new session.
         this.#sessionToken = null;
-        Promise.resolve(this.#storage?.removeItem(this.#storageKey)).catch(() => {});
+        try {
+          Promise.resolve(this.#storage?.removeItem(this.#storageKey)).catch(() => {});
+        } catch {
+          // a storage that throws at once: the token is forgotten in memory all the same
+        }
         this.#open();
         return;
       }
@@ -956,5 +1055,38 @@ export class TokenwireClient extends Emitter {
       w.removeEventListener("online", onOnline);
       globalThis.document?.removeEventListener?.("visibilitychange", onVisible);
     };
+  }
+}
+
+/** UTF-8 byte length of a string (what the server counts for a JSON frame, SPEC §2.2). */
+function utf8Length(s) {
+  let n = 0;
+  for (let i = 0; i < s.length; i++) {
+    const c = s.charCodeAt(i);
+    if (c < 0x80) n += 1;
+    else if (c < 0x800) n += 2;
+    else if (c >= 0xd800 && c <= 0xdbff && i + 1 < s.length) {
+      n += 4; // a surrogate pair: one astral character
+      i++;
+    } else n += 3;
+  }
+  return n;
+}
+
+/** A chat frame as plain JSON for `persist` (floats as numbers), or null when it cannot be kept small. */
+function persistableChat(frame) {
+  if (!frame) return null;
+  try {
+    const json = JSON.stringify(frame, (_, v) => {
+      if (v instanceof WireFloat) return v.value;
+      if (typeof v === "bigint") {
+        if (v > BigInt(Number.MAX_SAFE_INTEGER)) throw new RangeError("seed beyond 2^53");
+        return Number(v);
+      }
+      return v;
+    });
+    return json.length <= MAX_PERSISTED_TEXT ? JSON.parse(json) : null;
+  } catch {
+    return null;
   }
 }

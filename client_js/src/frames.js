@@ -23,8 +23,22 @@ export function codePoints(s) {
   return n;
 }
 
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+
+/**
+ * `s` as it is, or a RangeError when it holds a lone UTF-16 surrogate (half an emoji, from a string cut
+ * in the middle of one): SPEC §2.1 forbids them, and the server cannot decode such a frame, so it could
+ * answer only with an error that names no request.
+ */
+export function checkText(s, where) {
+  const wellFormed = typeof s.isWellFormed === "function" ? s.isWellFormed() : !LONE_SURROGATE.test(s);
+  if (!wellFormed) throw new RangeError(`${where}: holds a lone UTF-16 surrogate (half of a character); SPEC §2.1`);
+  return s;
+}
+
 export function checkId(id, where = "id") {
   if (typeof id !== "string") throw new TypeError(`${where}: expected a string, got ${typeof id}`);
+  checkText(id, where);
   const n = codePoints(id);
   if (n < 1 || n > MAX_ID_CHARS) throw new RangeError(`${where}: expected 1-${MAX_ID_CHARS} characters, got ${n}`);
   // eslint-disable-next-line no-control-regex
@@ -71,6 +85,7 @@ export function hello({ token, sessionToken, resume, coalesceMs } = {}) {
 
 function checkString(v, where, limit) {
   if (typeof v !== "string") throw new TypeError(`${where}: expected a string`);
+  checkText(v, where);
   if (codePoints(v) > limit) throw new RangeError(`${where}: longer than ${limit} characters`);
   return v;
 }
@@ -122,7 +137,7 @@ export function params(p = {}) {
     if (typeof p.model !== "string" || codePoints(p.model) < 1 || codePoints(p.model) > 128) {
       throw new TypeError(`params.model: expected a model name of 1-128 characters, got ${p.model}`);
     }
-    out.model = p.model;
+    out.model = checkText(p.model, "params.model");
   }
   if (p.fallback != null) {
     if (typeof p.fallback !== "boolean") throw new TypeError(`params.fallback: expected a boolean, got ${p.fallback}`);
@@ -134,6 +149,7 @@ export function params(p = {}) {
     if (!Array.isArray(items) || items.length > MAX_STOP_STRINGS) throw new RangeError(`params.stop: a string or an array of at most ${MAX_STOP_STRINGS}`);
     for (const s of items) {
       if (typeof s !== "string" || codePoints(s) < 1 || codePoints(s) > MAX_STOP_CHARS) throw new RangeError(`params.stop: each stop string must have 1-${MAX_STOP_CHARS} characters`);
+      checkText(s, "params.stop");
     }
     if (items.length) out.stop = [...items];
   }
@@ -146,7 +162,7 @@ export function chat({ id, content, messages, params: p }) {
   if ((content == null) === (messages == null)) throw new TypeError("chat: exactly one of content or messages");
   if (content != null) {
     if (typeof content !== "string" || content === "") throw new TypeError("chat: content must be a non-empty string");
-    f.content = content;
+    f.content = checkText(content, "chat: content");
   } else {
     if (!Array.isArray(messages) || messages.length < 1 || messages.length > MAX_MESSAGES) {
       throw new RangeError(`chat: messages must be an array of 1-${MAX_MESSAGES} {role, content}`);
@@ -154,7 +170,7 @@ export function chat({ id, content, messages, params: p }) {
     f.messages = messages.map((m, i) => {
       if (!m || !ROLES.includes(m.role)) throw new RangeError(`messages[${i}].role: expected one of ${ROLES.join(", ")}`);
       if (typeof m.content !== "string") throw new TypeError(`messages[${i}].content: expected a string`);
-      return { role: m.role, content: m.content };
+      return { role: m.role, content: checkText(m.content, `messages[${i}].content`) };
     });
   }
   const wp = params(p ?? {});

@@ -229,10 +229,12 @@ export interface ClientOptions {
   /** Keep the stored session token when a hello is refused as unauthorized (default false: retry once without it). */
   keepSessionOnUnauthorized?: boolean;
   /**
-   * Keep every reply in flight (its id, last offset, epoch and the text so far) in this storage
-   * (AsyncStorage as is, MMKV through mmkvStorage), written at most every 250 ms and at pause(), so
+   * Keep every request in flight in this storage (AsyncStorage as is, MMKV through mmkvStorage): an
+   * accepted reply as its id, last offset, epoch and the text so far (written at its accepted, then at
+   * most every 250 ms and at pause()); a chat not accepted yet as its frame (written when made), so
    * that after the app is killed a new client with the same storage (and session token storage) can
-   * restore() them. Entries go once a reply has ended and was handed to the app. Default: none.
+   * restore() them, before its first chat(). Entries go once a request has ended and was handed to the
+   * app. A storage that throws or rejects is reported as an `error` event. Default: none.
    */
   persist?: TokenStorage | null;
 }
@@ -328,7 +330,11 @@ export class BaseClient {
   pause(options?: { graceMs?: number }): void;
   /** Whether the device has a network: offline, a lost socket waits instead of retrying; online, reconnect at once. */
   setOnline(online: boolean): void;
-  /** The replies `persist` kept from an earlier run, resumed from their saved offsets (their streams start with the saved text). */
+  /**
+   * The requests `persist` kept from an earlier run: replies resumed from their saved offsets (each
+   * stream yields the saved text first, as one delta from offset 0), chats not accepted then sent again
+   * with their ids.
+   */
   restore(): Promise<Array<{ id: string; stream: ChatStream }>>;
   /** Stop a request (sent again after a reconnect until the request ends). */
   cancel(id: string): void;

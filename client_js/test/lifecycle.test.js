@@ -211,3 +211,108 @@ test("Stop of a restored reply before the new client is connected reaches the se
   assert.equal(done.offset, 6);
   assert.equal(server.received.filter((f) => f.type === "cancel").length, 1);
 });
+
+// ---- found by an outside probe of the client's mobile life (2026-12-06) ----------------------------
+
+class ThrowingStorage extends MemoryStorage {
+  setItem(key, value) {
+    if (key.endsWith(":inflight")) throw new Error("QuotaExceededError"); // what localStorage does when full
+    return super.setItem(key, value);
+  }
+}
+
+test("a persist storage that throws at once is reported as an error; pause and close still work", async () => {
+  const server = await fake({ holdAt: () => 5 });
+  const storage = new ThrowingStorage();
+  const c = client(server.url, { storage, persist: storage });
+  const errors = [];
+  c.on("error", (e) => errors.push(e));
+  await c.connect();
+  const stream = c.chat("hi", {}, { id: "q1" });
+  await until(() => stream.offset === 5, "5 tokens");
+  await new Promise((r) => setTimeout(r, 300)); // the throttled write after the deltas
+  assert.ok(errors.length >= 1 && errors.every((e) => /Quota/.test(e.message)), String(errors));
+  assert.doesNotThrow(() => c.pause({ graceMs: 20 }));
+  await until(() => c.state === "paused", "paused after the grace");
+  assert.doesNotThrow(() => c.close());
+  assert.equal(c.state, "closed");
+  server.release("q1"); // the fake server's held stream would otherwise keep this file's process alive
+});
+
+test("restore yields the saved text first, and sends again a chat the server had not accepted", async () => {
+  const server = await fake({ holdAt: (f) => (f.id === "s1" ? 7 : null), overload: 0 });
+  const storage = new MemoryStorage();
+  const a = client(server.url, { storage, persist: storage });
+  await a.connect();
+  const inflight = `tokenwire:session_token:${server.url}:inflight`;
+  const s1 = a.chat("hi", {}, { id: "s1" });
+  // Saved from its accepted on, before any delta's throttled write.
+  await until(() => JSON.parse(storage.getItem(inflight) ?? "{}").s1 !== undefined, "s1 saved");
+  await until(() => s1.offset === 7 && JSON.parse(storage.getItem(inflight)).s1.offset === 7, "offset 7 saved");
+  // The network goes; a chat sent then is never accepted, so it is kept as its frame.
+  a.setOnline(false);
+  a.reconnectNow("network gone");
+  await until(() => a.state === "offline", "offline");
+  a.chat("later", { max_tokens: 9, temperature: 0.5 }, { id: "s2" });
+  assert.deepEqual(JSON.parse(storage.getItem(inflight)).s2, {
+    chat: { type: "chat", id: "s2", content: "later", params: { max_tokens: 9, temperature: 0.5 } },
+  });
+  a.close(); // the app is killed
+  server.release("s1");
+  const b = client(server.url, { storage, persist: storage });
+  const restored = await b.restore();
+  assert.deepEqual(restored.map((r) => r.id).sort(), ["s1", "s2"]);
+  const byId = Object.fromEntries(restored.map((r) => [r.id, r.stream]));
+  const items = [];
+  for await (const item of byId.s1) items.push(item);
+  // The first item is the saved text, [0, 7); the rest continue from 7: the loop shows it whole.
+  assert.deepEqual(items[0], { type: "delta", id: "s1", offset: 0, n: 7, text: TOKENS.slice(0, 7).join("") });
+  assert.equal(items[1].offset, 7);
+  assert.equal(items.map((i) => i.text).join(""), FULL);
+  const done2 = await drain(byId.s2);
+  assert.equal(done2.text, FULL);
+  const resent = server.received.filter((f) => f.type === "chat" && f.id === "s2");
+  assert.equal(resent.length, 1);
+  assert.deepEqual(resent[0].params, { max_tokens: 9, temperature: 0.5 });
+  await until(() => storage.getItem(inflight) === null, "cleared once both are done");
+});
+
+test("a chat frame over the server's limit fails alone; the other chats go on", async () => {
+  const server = await fake();
+  const c = client(server.url, { subprotocols: ["json"] });
+  await c.connect();
+  // Past the limit by its text alone: refused before anything is tracked or sent.
+  assert.throws(() => c.chat("x".repeat(1048577), {}, { id: "big1" }), (e) => e.code === "too_large");
+  assert.deepEqual(c.pending, []);
+  // Under it as text, over it as JSON (every quote is escaped): refused when encoded, that stream only.
+  const big = c.chat('"'.repeat(600000), {}, { id: "big2" });
+  const small = c.chat("hi", {}, { id: "small" });
+  await assert.rejects(big.result, (e) => e.code === "too_large" && e.id === "big2");
+  assert.equal((await small.result).text, FULL);
+  assert.equal(server.received.filter((f) => f.type === "chat" && f.id.startsWith("big")).length, 0);
+  assert.equal(server.connections, 1); // no 1009, no reconnect
+});
+
+test("cancelling a chat that waits to be retried after overloaded ends it cancelled", async () => {
+  const server = await fake({ overload: 1 });
+  const c = client(server.url);
+  await c.connect();
+  const stream = c.chat("hi", {}, { id: "ov1" });
+  await until(() => server.received.some((f) => f.type === "chat" && f.id === "ov1"), "the chat refused once");
+  await new Promise((r) => setTimeout(r, 20)); // its overloaded is in; the retry is 100 ms away
+  c.cancel("ov1");
+  const done = await stream.result;
+  assert.equal(done.finishReason, "cancelled");
+  await new Promise((r) => setTimeout(r, 200));
+  assert.equal(server.received.filter((f) => f.type === "chat" && f.id === "ov1").length, 1); // not retried
+});
+
+test("text with a lone UTF-16 surrogate is refused before anything is sent", () => {
+  const c = client("ws://127.0.0.1:9/v1/ws", { autoConnect: false });
+  const half = "hi \ud83d there"; // an emoji cut in half
+  assert.throws(() => c.chat(half), RangeError);
+  assert.throws(() => c.chat([{ role: "user", content: "ok" }, { role: "user", content: "\udc00" }]), RangeError);
+  assert.throws(() => c.chat("ok", { stop: ["\ud800"] }), RangeError);
+  assert.doesNotThrow(() => c.chat("a whole emoji \ud83d\ude00"));
+  c.close();
+});

@@ -20,6 +20,13 @@ export const MAX_PERSISTED_TEXT = 64 * 1024;
 const PERSIST_EVERY_MS = 250;
 
 const FATAL_CLOSE_CODES = new Set([1002, 1008]);
+// The end of a request cancelled before the server took it (never sent, or refused for now): nothing
+// ran, so nothing was generated.
+const CANCELLED_UNSENT = Object.freeze({
+  finish_reason: "cancelled",
+  offset: 0,
+  usage: Object.freeze({ prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 }),
+});
 // SPEC §2.2: the largest message the server reads, when its welcome has not said (limits.max_frame_bytes).
 export const DEFAULT_MAX_FRAME_BYTES = 1048576;
 const MAX_RESETS = 5;
@@ -325,7 +332,7 @@ export class TokenwireClient extends Emitter {
       if (!req.everSent && !req.accepted) {
         // The server never saw it: nothing to stop there. (A request attached by resume() or restore()
         // is the server's even before this client sent anything: its cancel goes out with the resume.)
-        this.#end(req, { finish_reason: "cancelled", offset: 0, usage: { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 } });
+        this.#end(req, CANCELLED_UNSENT);
         return;
       }
     }
@@ -885,7 +892,7 @@ export class TokenwireClient extends Emitter {
         if (req.cancelRequested && !req.accepted) {
           // Our cancel of a chat the server never took (refused for now, its retry not yet sent): there
           // is nothing to stop, and the stream ends cancelled, as the caller asked.
-          this.#end(req, { finish_reason: "cancelled", offset: 0, usage: { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 } });
+          this.#end(req, CANCELLED_UNSENT);
           return;
         }
         break;

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
 from tests.gateway.conftest import Running, running_server
-from tests.gateway.test_http_surface import _http
+from tests.gateway.test_http_surface import _exchange, _http
 
 
 async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -272,17 +272,6 @@ async def test_bytes_pipelined_behind_a_streamed_response_are_read_one_request_a
         writer.close()
 
 
-async def _raw(port: int, data: bytes) -> bytes:
-    """Send ``data`` on a new connection in one write; what comes back until the server closes."""
-    reader, writer = await _open(port)
-    writer.write(data)
-    await writer.drain()
-    try:
-        return await asyncio.wait_for(reader.read(), 10)
-    finally:
-        writer.close()
-
-
 def _error_of(response: bytes) -> dict[str, Any]:
     body = json.loads(response.split(b"\r\n\r\n", 1)[1])
     assert set(body["error"]) == {"message", "type", "param", "code"}, body
@@ -294,7 +283,7 @@ async def test_the_http_layers_own_errors_have_a_code_and_plain_words(server: Ru
     # only a head still arriving), on the API and on a plain path alike.
     for path in (b"/v1/models", b"/healthz"):
         big = b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 17_000 + b"\r\n\r\n"
-        rest = await _raw(server.port, big)
+        rest = await _exchange(server.port, big)
         assert rest.startswith(b"HTTP/1.1 431 "), rest[:100]
         assert _error_of(rest)["code"] == "headers_too_large"
         many = (
@@ -303,17 +292,17 @@ async def test_the_http_layers_own_errors_have_a_code_and_plain_words(server: Ru
             + b" HTTP/1.1\r\nHost: x\r\n"
             + b"".join(b"X-%d: aaaa\r\n" % i for i in range(2000))
         )
-        rest = await _raw(server.port, many + b"\r\n")
+        rest = await _exchange(server.port, many + b"\r\n")
         assert rest.startswith(b"HTTP/1.1 431 "), rest[:100]
     # Just under the bound is served.
     near = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-A: " + b"a" * 15_000 + b"\r\n\r\n"
-    assert (await _raw(server.port, near)).startswith(b"HTTP/1.1 200 ")
+    assert (await _exchange(server.port, near)).startswith(b"HTTP/1.1 200 ")
     # A parser error says what is wrong in words, not in Python reprs of the bytes, and has a code.
     chunk = (
         b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n-5\r\nhello\r\n0\r\n\r\n"
     )
-    rest = await _raw(server.port, chunk)
+    rest = await _exchange(server.port, chunk)
     assert rest.startswith(b"HTTP/1.1 400 "), rest[:100]
     err = _error_of(rest)
     assert err["code"] == "invalid_request_error" and "b'" not in err["message"], err
@@ -321,7 +310,7 @@ async def test_the_http_layers_own_errors_have_a_code_and_plain_words(server: Ru
         b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Transfer-Encoding: gzip\r\n\r\n"
     )
-    rest = await _raw(server.port, gzip)
+    rest = await _exchange(server.port, gzip)
     assert rest.startswith(b"HTTP/1.1 501 ") and _error_of(rest)["code"] == "unsupported_transfer_coding"
     assert server.engine.requests_started == 0
 
@@ -335,7 +324,7 @@ async def test_a_body_is_utf8_and_a_bearer_token_at_most_4096_characters(server:
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        rest = await _raw(server.port, req)
+        rest = await _exchange(server.port, req)
         assert rest.startswith(b"HTTP/1.1 400 "), (body[:4], rest[:200])
         assert _error_of(rest)["code"] == "invalid_request_error"
     # The same body in UTF-8 is served: the charset parameter is not what decides.
@@ -345,10 +334,10 @@ async def test_a_body_is_utf8_and_a_bearer_token_at_most_4096_characters(server:
         + f"Content-Length: {len(text)}\r\n\r\n".encode()
         + text.encode()
     )
-    assert (await _raw(server.port, req)).startswith(b"HTTP/1.1 200 ")
+    assert (await _exchange(server.port, req)).startswith(b"HTTP/1.1 200 ")
     # As hello.token's bound (SPEC §15.2): a longer bearer token is refused with auth off too.
     for n, status in ((4096, b"200"), (4097, b"401")):
         req = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer " + b"k" * n
-        rest = await _raw(server.port, req + b"\r\n\r\n")
+        rest = await _exchange(server.port, req + b"\r\n\r\n")
         assert rest.startswith(b"HTTP/1.1 " + status + b" "), (n, rest[:200])
     assert _error_of(rest)["code"] == "invalid_api_key"

@@ -27,6 +27,11 @@ MAX_STOP_CHARS = 64
 MAX_MAX_TOKENS = 8192
 MAX_RESUME_POINTS = 256
 MAX_COALESCE_MS = 1000  # hello.coalesce_ms: at most one delta per stream a second
+# params.detach_timeout_ms: how long a request may run with nobody attached, asked by a client whose app
+# may be away for minutes (a phone in the background); the server lowers it to its own cap (SPEC 4.2).
+MAX_DETACH_TIMEOUT_MS = 3_600_000
+# done.cancel_reason: the detach timeout ended the request, not a cancel (SPEC 10.5).
+CANCEL_REASON_DETACH = "detach_timeout"
 MAX_TOKEN_CHARS = 4096
 ROLES = ("system", "user", "assistant")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -182,6 +187,7 @@ PARAM_KEYS = (
     "presence_penalty",
     "model",
     "fallback",
+    "detach_timeout_ms",
 )
 MAX_MODEL_CHARS = 128
 
@@ -202,6 +208,7 @@ class Params:
     presence_penalty: float | None = None  # OpenAI-style: minus this once the token is in the reply
     model: str | None = None  # a served model's name (welcome.models); None: the server's default
     fallback: bool | None = None  # False: never move this chat to a lighter model under load
+    detach_timeout_ms: int | None = None  # keep running this long with nobody attached (0: the default)
 
     def to_wire(self) -> Wire:
         d: Wire = {}
@@ -373,6 +380,7 @@ def _parse_params(pv: object, id: str) -> Params:
         presence_penalty=num("presence_penalty", -2.0, 2.0),
         model=model,
         fallback=flag("fallback"),
+        detach_timeout_ms=integer("detach_timeout_ms", 0, MAX_DETACH_TIMEOUT_MS),
     )
 
 
@@ -555,16 +563,21 @@ class Done:
     finish_reason: str
     offset: int
     usage: Usage
+    # With finish_reason cancelled: why, when it was not a cancel (CANCEL_REASON_DETACH); else None.
+    cancel_reason: str | None = None
     type: Literal["done"] = "done"
 
     def to_wire(self) -> Wire:
-        return {
+        d: Wire = {
             "type": "done",
             "id": self.id,
             "finish_reason": self.finish_reason,
             "offset": self.offset,
             "usage": self.usage.to_wire(),
         }
+        if self.cancel_reason is not None:
+            d["cancel_reason"] = self.cancel_reason
+        return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -644,11 +657,15 @@ def _parse_done(r: Mapping[str, Any]) -> Done:
     cached = _offset(u.get("cached_tokens", 0), "done.usage.cached_tokens", None)
     if cached > prompt:
         raise _bad(f"done.usage.cached_tokens: {cached} is more than prompt_tokens {prompt}")
+    why = r.get("cancel_reason")  # added in a minor revision; any value is a cancel's (SPEC 10.5)
+    if why is not None and (not isinstance(why, str) or reason != "cancelled"):
+        raise _bad(f"done.cancel_reason: a string with finish_reason cancelled only, got {_short(why)}")
     return Done(
         id=_req_id(r),
         finish_reason=reason,
         offset=_offset(r.get("offset"), "done.offset", None),
         usage=Usage(prompt, completion, cached),
+        cancel_reason=why,
     )
 
 

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import contextlib
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[object] | asyncio.Task[None] | None]) -> None:
@@ -18,3 +23,31 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[object] | asyncio.Task[No
         for t in pending:
             t.cancel()
         _, pending = await asyncio.wait(pending, timeout=0.5)
+
+
+async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
+    """``fn()`` run in a daemon thread of its own, awaited. Unlike the default executor, whose threads
+    ``asyncio.run`` joins before it returns, a task cancelled while it awaits this leaves the thread
+    behind: a process told to stop while it loads a model (seconds to minutes) exits at once, and the
+    thread ends with it."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return  # the awaiting task was cancelled: nobody wants the result
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, fn())
+        except BaseException as exc:  # handed to the awaiting task, whatever it is
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await fut

@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
 
-from server.gateway.server import WS_PATH, Gateway, GatewaySettings
+from server.aio import cancel_and_wait, in_daemon_thread
+from server.gateway.server import WS_PATH, BindFailed, Gateway, GatewaySettings
 from server.gctune import tune_for_long_lived_objects
 from server.store.keys import CLUSTER_PARTITIONS, Keys
 from server.store.requests import RequestStore, Settings
@@ -85,11 +86,25 @@ class StoreHandles:
 stopped_by: int | None = None
 
 
+# The embedded Valkey of this process, if it started one: a forced exit stops it too (it runs in a
+# session of its own, so no signal of the terminal's reaches it).
+_embedded: list[Any] = []
+
+
 def _stop_on_signals(stop: asyncio.Event) -> None:
+    """The first SIGINT or SIGTERM stops gracefully (drain, 1012 to clients); a second one, while that
+    runs, exits at once: what was running is handed back when the worker's lease lapses, or resumed
+    from the store after a restart."""
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: int) -> None:
         global stopped_by
+        if stop.is_set():
+            log.warning("stop.forced", signal=signal.Signals(sig).name)
+            for valkey in _embedded:
+                with contextlib.suppress(Exception):
+                    valkey.stop(timeout=2.0)
+            os._exit(130 if sig == signal.SIGINT else 143)
         stopped_by = stopped_by or sig
         stop.set()
 
@@ -120,6 +135,7 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
             url = await asyncio.get_running_loop().run_in_executor(None, valkey.start)
         except EmbeddedValkeyError as exc:
             raise StartupError(str(exc)) from None
+        _embedded.append(valkey)
     # A blocking pool: a burst of thousands of handshakes waits for a connection instead of failing with
     # "Too many connections" (redis-py's default pool raises past 100).
     # from_pool: the client owns the pool, so closing it closes the pool's connections too. The URL may
@@ -161,6 +177,7 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
         await reader.aclose()
         if valkey is not None:
             valkey.stop()
+            _embedded.remove(valkey)
 
 
 def _redacted(url: str) -> str:
@@ -174,14 +191,16 @@ def _redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def bind_error(host: str, port: int, exc: OSError) -> StartupError:
-    """The one line a user sees when a port cannot be bound, naming the fix."""
+def bind_error(host: str, port: int, exc: OSError, flag: str = "--port") -> StartupError:
+    """The one line a user sees when a port cannot be bound, naming the flag that set it and the fix."""
     if exc.errno == errno.EADDRINUSE:
         why = "is already in use (another tokenwire?)"
     elif exc.errno == errno.EACCES:
         why = "needs privileges to bind"
     else:
         why = f"cannot be bound ({exc.strerror or exc})"
+    if flag != "--port":
+        return StartupError(f"{flag} {port} on {host} {why}: choose another with {flag} N")
     return StartupError(
         f"port {port} on {host} {why}: choose another with --port N (0 picks a free one), "
         "or `make run PORT=N`"
@@ -249,6 +268,8 @@ async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gatewa
     gateway = Gateway(h.store, sessions, h.reader, cfg.gateway, ready=ready, name=cfg.name)
     try:
         port = await gateway.start()
+    except BindFailed as exc:
+        raise bind_error(exc.host, exc.port, exc, exc.flag) from None
     except OSError as exc:
         raise bind_error(cfg.gateway.host, cfg.gateway.port, exc) from None
     tune_for_long_lived_objects()
@@ -305,8 +326,9 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles, index: int = 0) -> Any
 
     name, folder = model_specs(cfg)[index]
     use_threads(cfg.threads)
-    loaded, engine = await asyncio.get_running_loop().run_in_executor(
-        None,
+    # Not the default executor: asyncio.run would join its thread, so a stop during the load would wait
+    # for the load to end (15 s and more) before the process could exit.
+    loaded, engine = await in_daemon_thread(
         lambda: load_engine(
             folder,
             device=cfg.device,
@@ -315,6 +337,7 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles, index: int = 0) -> Any
             kv_budget_mb=cfg.kv_budget_mb,
             prompt_sharing=cfg.prompt_sharing,
         ),
+        "tokenwire-start-worker",
     )
     loaded.name = name
     base = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
@@ -418,8 +441,16 @@ async def run_worker(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> 
             try:
                 probes = serve_probes(cfg.metrics_port, cfg.gateway.host)
             except OSError as exc:
-                raise bind_error(cfg.gateway.host, cfg.metrics_port, exc) from None
-        workers = await start_workers(cfg, h)
+                raise bind_error(cfg.gateway.host, cfg.metrics_port, exc, "--metrics-port") from None
+        loading = asyncio.create_task(start_workers(cfg, h))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():  # stopped while the model loads: nothing to drain, nothing to wait for
+            await cancel_and_wait([loading, stopping])  # the probes' daemon thread ends with the process
+            log.info("worker.stopped", handed_back=0)
+            return
+        stopping.cancel()
+        workers = loading.result()
         if probes is not None:
             probes.workers = workers
         try:

@@ -67,6 +67,43 @@ def _at_least_one(value: str) -> int:
     return n
 
 
+MAX_SECONDS = 1e9  # about 31 years: past it a duration is a typo (and overflows Redis' expiries in ms)
+
+
+def _seconds_of(value: str, *, zero_ok: bool) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not (0 <= s <= MAX_SECONDS) or (s == 0 and not zero_ok):
+        least = "0" if zero_ok else "more than 0"
+        raise argparse.ArgumentTypeError(
+            f"expected {least} and at most {MAX_SECONDS:.0e} seconds, got {value}"
+        )
+    return s
+
+
+def _positive_seconds(value: str) -> float:
+    """A duration that must pass (a timeout, a TTL, a lease): more than 0 seconds."""
+    return _seconds_of(value, zero_ok=False)
+
+
+def _seconds(value: str) -> float:
+    """A duration where 0 means none (a drain, a threshold): 0 seconds or more."""
+    return _seconds_of(value, zero_ok=True)
+
+
+def _count(value: str) -> int:
+    """A count where 0 means no limit or off: 0 or more."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {n}")
+    return n
+
+
 def _flush_ms(value: str) -> float:
     try:
         ms = float(value)
@@ -75,6 +112,71 @@ def _flush_ms(value: str) -> float:
     if not 0 <= ms <= 1000:
         raise argparse.ArgumentTypeError(f"expected 0 to 1000 ms, got {value}")
     return ms
+
+
+def _temperature(value: str) -> float:
+    """``chat --temperature``: params.temperature's range (SPEC 4.2), checked here to name the flag."""
+    try:
+        t = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 2, got {value!r}") from None
+    if not 0 <= t <= 2:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 2, got {value}")
+    return t
+
+
+def _max_tokens(value: str) -> int:
+    from protocol.frames import MAX_MAX_TOKENS
+
+    n = _at_least_one(value)
+    if n > MAX_MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_MAX_TOKENS}, got {n}")
+    return n
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _log_level(value: str) -> str:
+    if value.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return value.lower()
+
+
+def _key_prefix(value: str) -> str:
+    """Every key starts with it: on a Redis other programs share, an empty one would mix ours with theirs."""
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty (the default is tw:)")
+    return value
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why ``url`` is not a Redis URL this server can use, or None: checked before anything starts, so a
+    typo is one line, not a redis-py traceback (and not a silent connection to localhost's database 0)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError as exc:
+        return f"{url!r} is not a URL ({exc})"
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        return f"{url!r}: expected redis://host[:port][/db], rediss:// (TLS) or unix://path"
+    if parts.scheme == "unix":
+        return None if parts.path else f"{url!r}: a unix:// URL needs the socket's path"
+    if not parts.hostname:
+        return f"{url!r}: no host (write redis://127.0.0.1:6379/0, say)"
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        return f"{url!r}: the database after the host must be a number, got {db!r}"
+    return None
+
+
+def _redis_url(value: str) -> str:
+    problem = redis_url_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -159,6 +261,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             max_streams_per_user=getattr(args, "max_streams_per_user", 256),
             chat_bytes_per_connection=getattr(args, "chat_bytes_per_connection", 1 << 20),
             max_waiting_turns_per_session=getattr(args, "max_waiting_turns", 2),
+            max_detach_timeout_ms=int(getattr(args, "max_detach_timeout", 600.0) * 1000),
             http_request_timeout_s=getattr(args, "http_request_timeout", 30.0),
             max_http_connections=getattr(args, "max_http_connections", 4096),
             max_http_connections_per_peer=getattr(args, "max_http_connections_per_peer", 256),
@@ -205,7 +308,10 @@ def _run(args: argparse.Namespace, main: Callable[[ServeConfig], Coroutine[Any, 
     if warning:
         print(warning, file=sys.stderr, flush=True)
     try:
-        asyncio.run(main(_config(args)))
+        cfg = _config(args)
+        if cfg.redis_url is not None and (problem := redis_url_problem(cfg.redis_url)) is not None:
+            raise StartupError(f"$TOKENWIRE_REDIS_URL: {problem}")
+        asyncio.run(main(cfg))
     except KeyboardInterrupt:
         return 130  # Ctrl-C before the signal handlers were up (while importing or loading)
     except StartupError as exc:
@@ -317,37 +423,42 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--redis-url",
             required=False,
+            type=_redis_url,
             help="Redis/Valkey URL (or $TOKENWIRE_REDIS_URL)"
             + ("; required" if redis_required else "; default: start an embedded Valkey"),
         )
-        p.add_argument("--key-prefix", default="tw:", help="prefix of every Redis key (default tw:)")
-        p.add_argument("--lease-ttl", type=float, default=10.0, help="worker lease, seconds (default 10)")
+        p.add_argument(
+            "--key-prefix", type=_key_prefix, default="tw:", help="prefix of every Redis key (default tw:)"
+        )
+        p.add_argument(
+            "--lease-ttl", type=_positive_seconds, default=10.0, help="worker lease, seconds (default 10)"
+        )
         p.add_argument("--name", help="this process's id in the store (default host-pid)")
         p.add_argument(
             "--retention",
-            type=float,
+            type=_positive_seconds,
             default=24 * 3600.0,
             help="keep a finished request and its token log (for resume and retries) this long, seconds",
         )
         p.add_argument(
             "--session-ttl",
-            type=float,
+            type=_positive_seconds,
             default=24 * 3600.0,
             help="keep an idle session and its history this long after its last use, seconds (default 1 day)",
         )
         p.add_argument(
             "--history-max-messages",
-            type=int,
+            type=_at_least_one,
             default=64,
             help="a session's history keeps at most this many messages; the oldest turns go first",
         )
         p.add_argument(
             "--history-max-bytes",
-            type=int,
+            type=_at_least_one,
             default=1 << 20,
             help="and at most this many bytes (the newest turn always stays; default 1 MiB)",
         )
-        p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+        p.add_argument("--log-level", type=_log_level, default="info", help="debug, info, warning or error")
         log_format(p)
 
     def sockets(p: argparse.ArgumentParser) -> None:
@@ -355,19 +466,26 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--port", type=_port, default=8765, help="0 picks a free port (printed on stdout)")
         p.add_argument(
             "--detach-timeout",
-            type=float,
+            type=_positive_seconds,
             default=30.0,
             help="cancel a request nobody is attached to for this long, seconds (default 30)",
         )
         p.add_argument(
+            "--max-detach-timeout",
+            type=_positive_seconds,
+            default=600.0,
+            help="the longest a chat's params.detach_timeout_ms may ask to keep it running with nobody "
+            "attached (an app in the background), seconds (default 600; welcome.limits)",
+        )
+        p.add_argument(
             "--max-queued",
-            type=int,
+            type=_count,
             default=0,
             help="refuse new chats with `overloaded` while this many wait in the queue (0: no limit)",
         )
         p.add_argument(
             "--max-inflight-per-user",
-            type=int,
+            type=_count,
             default=0,
             help="refuse a user's new chats with `rate_limited` while they have this many queued or running, "
             "across all gateways (0: no limit)",
@@ -379,67 +497,74 @@ def build_parser() -> argparse.ArgumentParser:
         a = p.add_argument_group("admission (SPEC.md §6, §15.2): limits every door applies")
         a.add_argument(
             "--max-streams-per-user",
-            type=int,
+            type=_at_least_one,
             default=256,
             help="streams one user may have attached to this gateway at once (default 256)",
         )
         a.add_argument(
             "--chat-bytes-per-connection",
-            type=int,
+            type=_at_least_one,
             default=1 << 20,
             help="bytes of chat text per second per connection (HTTP: per user), bursts of twice that "
             "(default 1 MiB)",
         )
         a.add_argument(
             "--max-waiting-turns",
-            type=int,
+            type=_count,
             default=2,
             help="content-mode turns of one session that may wait for the previous turn (default 2)",
         )
         a.add_argument(
             "--http-request-timeout",
-            type=float,
+            type=_positive_seconds,
             default=30.0,
             help="an HTTP request's headers and body must arrive within this, seconds (default 30)",
         )
         a.add_argument(
             "--max-http-connections",
-            type=int,
+            type=_at_least_one,
             default=4096,
             help="HTTP connections this gateway holds at once (default 4096; past it: 503)",
         )
         a.add_argument(
             "--max-http-connections-per-peer",
-            type=int,
+            type=_at_least_one,
             default=256,
             help="HTTP connections from one peer address (default 256; past it: 429)",
         )
         a.add_argument(
             "--max-ws-connections",
-            type=int,
+            type=_at_least_one,
             default=65536,
             help="WebSockets this gateway holds at once, both doors (default 65536; past it: 503)",
         )
         a.add_argument(
             "--max-ws-connections-per-peer",
-            type=int,
+            type=_count,
             default=8192,
             help="WebSockets from one peer address (default 8192; past it: 429; 0: no per-peer cap, "
             "for a gateway behind a proxy)",
         )
         a.add_argument(
             "--ingress-bytes-per-peer",
-            type=int,
+            type=_count,
             default=16 << 20,
             help="bytes a second read from all connections of one peer address together (default 16 MiB; "
             "0: off, e.g. behind a reverse proxy, where every client has its address)",
         )
         d = p.add_argument_group("degradation under load (0 = off)")
-        d.add_argument("--degrade-queue-depth", type=int, default=0, help="degrade new chats past this queue")
-        d.add_argument("--degrade-ttft", type=float, default=0.0, help="... or past this TTFT (seconds)")
-        d.add_argument("--degrade-max-tokens", type=int, default=128, help="max_tokens cap when degraded")
         d.add_argument(
-            "--degrade-context-messages", type=int, default=8, help="latest messages kept when degraded"
+            "--degrade-queue-depth", type=_count, default=0, help="degrade new chats past this queue"
+        )
+        d.add_argument("--degrade-ttft", type=_seconds, default=0.0, help="... or past this TTFT (seconds)")
+        d.add_argument(
+            "--degrade-max-tokens", type=_at_least_one, default=128, help="max_tokens cap when degraded"
+        )
+        d.add_argument(
+            "--degrade-context-messages",
+            type=_at_least_one,
+            default=8,
+            help="latest messages kept when degraded",
         )
         d.add_argument(
             "--fallback",
@@ -493,7 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
         p.add_argument("--dtype", default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ...")
-        p.add_argument("--threads", type=int, help="torch CPU threads for the engine (default: torch's)")
+        p.add_argument(
+            "--threads", type=_at_least_one, help="torch CPU threads for the engine (default: torch's)"
+        )
         p.add_argument(
             "--scheduling",
             choices=("fair", "fifo"),
@@ -519,7 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--drain-timeout",
-            type=float,
+            type=_seconds,
             default=10.0,
             help="on SIGTERM, let running requests finish this long before handing them back (seconds)",
         )
@@ -569,7 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--workers", type=_at_least_one, default=2, help="worker processes")
     k.add_argument("--host", default="127.0.0.1", help="address the gateways listen on")
     k.add_argument("--port", type=_port, default=8765, help="first gateway's port; the others follow")
-    k.add_argument("--redis-url", help="shared Redis (default: start an embedded Valkey)")
+    k.add_argument("--redis-url", type=_redis_url, help="shared Redis (default: start an embedded Valkey)")
     k.add_argument(
         "--redis-shards",
         type=int,
@@ -579,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
         "when it stops)",
     )
     k.add_argument("--data-dir", help="embedded Valkey data (default $TOKENWIRE_DATA or ./.tokenwire)")
-    k.add_argument("--key-prefix", default="tw:", help="prefix of every Redis key")
+    k.add_argument("--key-prefix", type=_key_prefix, default="tw:", help="prefix of every Redis key")
     k.add_argument(
         "--prompt-sharing",
         choices=PROMPT_SHARING,
@@ -593,10 +720,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a model every worker serves: NAME=DIR or DIR; repeat for several, the first the default "
         "(default: the packaged SmolLM2-135M)",
     )
-    k.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
+    k.add_argument(
+        "--threads-per-worker", type=_at_least_one, default=1, help="torch threads per worker (default 1)"
+    )
     k.add_argument(
         "--log-flush-ms",
-        type=float,
+        type=_flush_ms,
         default=0.0,
         metavar="MS",
         help="each worker's --log-flush-ms (default 0)",
@@ -607,12 +736,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin worker i to CPU i (round robin over this process's CPUs), as taskset would: each "
         "worker then uses one core whatever its threads; gateways and Redis are left unpinned",
     )
-    k.add_argument("--lease-ttl", type=float, default=10.0, help="worker lease, seconds")
-    k.add_argument("--retention", type=float, default=24 * 3600.0, help="finished requests kept, seconds")
-    k.add_argument("--session-ttl", type=float, default=24 * 3600.0, help="idle sessions kept, seconds")
-    k.add_argument("--history-max-messages", type=int, default=64, help="messages a session's history keeps")
-    k.add_argument("--history-max-bytes", type=int, default=1 << 20, help="bytes a session's history keeps")
-    k.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    k.add_argument("--lease-ttl", type=_positive_seconds, default=10.0, help="worker lease, seconds")
+    k.add_argument(
+        "--retention", type=_positive_seconds, default=24 * 3600.0, help="finished requests kept, seconds"
+    )
+    k.add_argument(
+        "--session-ttl", type=_positive_seconds, default=24 * 3600.0, help="idle sessions kept, seconds"
+    )
+    k.add_argument(
+        "--history-max-messages", type=_at_least_one, default=64, help="messages a session's history keeps"
+    )
+    k.add_argument(
+        "--history-max-bytes", type=_at_least_one, default=1 << 20, help="bytes a session's history keeps"
+    )
+    k.add_argument("--log-level", type=_log_level, default="info", help="debug, info, warning or error")
     log_format(k)
     k.set_defaults(func=_cluster)
 
@@ -622,8 +759,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--token", help="JWT for servers with auth on")
     c.add_argument("-m", "--message", help="ask one question, print the streamed answer, exit")
-    c.add_argument("--temperature", type=float, help="sampling temperature (default: the server's, 0.2)")
-    c.add_argument("--max-tokens", type=int, help="longest reply in tokens (default: the server's, 256)")
+    c.add_argument(
+        "--temperature",
+        type=_temperature,
+        help="sampling temperature, 0 to 2 (default: the server's, 0: greedy)",
+    )
+    c.add_argument(
+        "--max-tokens",
+        type=_max_tokens,
+        help="longest reply in tokens, 1 to 8192 (default: the server's, 256)",
+    )
     c.add_argument("--model", help="one of the server's models (default: the server's default model)")
     c.set_defaults(func=_chat)
 

@@ -45,14 +45,27 @@ def _relay(name: str, lines: IO[str], out: IO[str], ready: threading.Event | Non
 
 
 def run_cluster(args: argparse.Namespace) -> int:
+    from server.cli import redis_url_problem
     from server.store.embedded import EmbeddedValkey, EmbeddedValkeyError
     from server.store.valkey_cluster import EmbeddedValkeyCluster, ValkeyClusterError
 
     valkey: EmbeddedValkey | EmbeddedValkeyCluster | None = None
     shards = getattr(args, "redis_shards", 0)
     url = args.redis_url or os.environ.get("TOKENWIRE_REDIS_URL")
+    if url and (problem := redis_url_problem(url)) is not None:
+        print(f"tokenwire cluster: $TOKENWIRE_REDIS_URL: {problem}", file=sys.stderr)
+        return 2
     if shards < 0:
         print("tokenwire cluster: --redis-shards must be 1 or more (0: one embedded Valkey)", file=sys.stderr)
+        return 2
+    last = args.port + args.gateways - 1
+    if args.port and last > 65535:
+        # Checked before anything starts: the gateways take --port, --port + 1, ...
+        print(
+            f"tokenwire cluster: --port {args.port} with --gateways {args.gateways} needs ports up to "
+            f"{last}; the last port is 65535",
+            file=sys.stderr,
+        )
         return 2
     if shards and args.redis_url:
         print(

@@ -127,6 +127,7 @@ def client_frames() -> list[tuple[str, ClientFrame]]:
         ("chat_no_cache", Chat(id="req-7", content="Hi", params=Params(temperature=0.0, cache=False))),
         ("chat_temperature_2", Chat(id="req-7", content="Hi", params=Params(temperature=2.0))),
         ("chat_stop_unicode", Chat(id="req-8", content="Hi", params=Params(stop=("🚀",)))),
+        ("chat_detach_timeout", Chat(id="req-9", content="Hi", params=Params(detach_timeout_ms=600_000))),
         ("resume", Resume(id="req-1", offset=42)),
         ("resume_from_zero", Resume(id="req-1", offset=0)),
         ("resume_with_epoch", Resume(id="req-1", offset=7, epoch=1)),
@@ -175,6 +176,16 @@ def server_frames() -> list[tuple[str, ServerFrame]]:
     frames += [
         ("done_zero_tokens", Done(id="req-2", finish_reason="stop", offset=0, usage=Usage(0, 0))),
         ("done_cached_tokens", Done(id="req-3", finish_reason="stop", offset=4, usage=Usage(31, 4, 24))),
+        (
+            "done_detach_timeout",
+            Done(
+                id="req-4",
+                finish_reason="cancelled",
+                offset=9,
+                usage=Usage(5, 9),
+                cancel_reason="detach_timeout",
+            ),
+        ),
         ("error", Error(code="bad_frame", message="content: expected a string, got number")),
         ("error_with_id", Error(code="not_found", message="no request req-9", id="req-9")),
         (

@@ -577,8 +577,10 @@ class Connection:
                     end = batch[-1]
                     if self.coalesce_s and end.finish is None and sub.queue.empty():
                         # What arrives meanwhile goes out as one delta (whole log entries: offsets and
-                        # resume points are unchanged). A replay that is behind does not wait.
-                        await asyncio.sleep(self.coalesce_s)
+                        # resume points are unchanged). A replay that is behind does not wait, and
+                        # neither does the end (a finish or a cancel): the rest and done go at once.
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(sub.ended.wait(), self.coalesce_s)
                     if end.finish is not None:
                         if self._attached.get(id) is not me:
                             # Replaced while the delta went out (a cancel that arrived as the send
@@ -612,5 +614,6 @@ class Connection:
                     completion_tokens=end.offset,
                     cached_tokens=end.cached_tokens,
                 ),
+                cancel_reason=end.cancel_reason or None,
             )
         )

@@ -53,6 +53,7 @@ class GatewayCore:
             "max_tokens": st.max_tokens,
             "max_streams": st.max_streams_per_connection,
             "max_waiting_turns": st.max_waiting_turns_per_session,
+            "max_detach_timeout_ms": max(st.max_detach_timeout_ms, self.store.settings.detach_timeout_ms),
         }
 
     def start(self) -> None:

@@ -45,6 +45,16 @@ from server.store.sessions import SessionStore
 
 log = structlog.get_logger(__name__)
 
+
+class BindFailed(OSError):
+    """A port other than the client port could not be bound: which flag set it, for the one line the
+    operator sees (app.bind_error)."""
+
+    def __init__(self, flag: str, host: str, port: int, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror)
+        self.flag, self.host, self.port = flag, host, port
+
+
 __all__ = ["WS_PATH", "Gateway", "GatewaySettings"]
 
 WS_PATH = "/v1/ws"
@@ -287,9 +297,34 @@ class Gateway:
 
     async def start(self) -> int:
         """Listen; returns the bound port (useful with port 0). Binds before starting anything else, so a
-        port in use raises OSError and leaves nothing running."""
+        port in use raises OSError (BindFailed for the metrics port) and leaves nothing running."""
         open_timeout_s = 10.0  # websockets' default opening-handshake timeout
-        self._server = await serve(
+        st = self.settings
+        if st.metrics_port is not None:
+            try:
+                self.metrics_server = serve_metrics(st.metrics_port, st.metrics_host or st.host)
+            except OSError as exc:
+                raise BindFailed("--metrics-port", st.metrics_host or st.host, st.metrics_port, exc) from None
+        try:
+            self._server = await self._serve(open_timeout_s)
+        except OSError:
+            if self.metrics_server is not None:
+                self.metrics_server.stop()
+                self.metrics_server = None
+            raise
+        self.core.start()
+        self._health_task = asyncio.create_task(self._health_loop(), name="gateway-store-health")
+        self._collector_task = asyncio.create_task(self.collector.run(), name="gateway-churn-gc")
+        sock = next(iter(self._server.sockets))
+        port: int = sock.getsockname()[1]
+        log.info("gateway.listening", url=f"ws://{self.settings.host}:{port}{WS_PATH}")
+        if self.metrics_server is not None:
+            log.info("gateway.metrics", url=self.metrics_server.url)
+        return port
+
+    async def _serve(self, open_timeout_s: float) -> Server:
+        """The listening WebSocket (and HTTP, front_door.py) server on the client port."""
+        return await serve(
             self._handle,
             self.settings.host,
             self.settings.port,
@@ -314,17 +349,6 @@ class Gateway:
             ),  # type: ignore[arg-type]
             open_timeout=open_timeout_s,
         )
-        self.core.start()
-        self._health_task = asyncio.create_task(self._health_loop(), name="gateway-store-health")
-        self._collector_task = asyncio.create_task(self.collector.run(), name="gateway-churn-gc")
-        sock = next(iter(self._server.sockets))
-        port: int = sock.getsockname()[1]
-        log.info("gateway.listening", url=f"ws://{self.settings.host}:{port}{WS_PATH}")
-        st = self.settings
-        if st.metrics_port is not None:
-            self.metrics_server = serve_metrics(st.metrics_port, st.metrics_host or st.host)
-            log.info("gateway.metrics", url=self.metrics_server.url)
-        return port
 
     async def stop(self) -> None:
         """Stop accepting, then close open connections with 1012 so clients reconnect and resume."""

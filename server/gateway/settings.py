@@ -35,6 +35,9 @@ class GatewaySettings:
     # Cancels per second on one connection, bursts of max(2 x that, max_streams): each costs the store a
     # script call, so they are limited like resumes (a client stopping all its streams at once passes).
     cancel_rate_per_connection: float = 10.0
+    # The most a chat's params.detach_timeout_ms may keep it running with nobody attached (welcome.limits):
+    # for an app away for minutes. Its cost is bounded anyway (max_tokens; --max-inflight-per-user).
+    max_detach_timeout_ms: int = 600_000
     hello_timeout_s: float = 10.0  # a WebSocket that has not sent hello by then is closed 1008
     resume_rate_per_user: int = 200  # resumes per second per user, across all gateways
     # Streams one owner may have attached to this gateway at once, over all its connections and doors

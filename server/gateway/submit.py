@@ -34,9 +34,10 @@ from server.gateway.routing import Router
 from server.gateway.settings import GatewaySettings
 from server.store.requests import RequestStore, SubmitResult
 
-# Keys of params that choose where a chat runs, not how it samples: kept out of the sampling parameters
-# the worker reads (the chosen model travels on its own, and is part of the response-cache key).
-ROUTING_PARAMS = ("model", "fallback")
+# Keys of params that choose where and how long a chat runs, not how it samples: kept out of the sampling
+# parameters the worker reads (the chosen model travels on its own, and is part of the response-cache key;
+# the detach timeout is the store's, submit below).
+NOT_SAMPLING_PARAMS = ("model", "fallback", "detach_timeout_ms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,12 @@ class Submitter:
         self.router = router
         self.degradation = degradation
 
+    def detach_timeout(self, asked: Params) -> int | None:
+        """The chat's own detach timeout (SPEC 4.2): ``params.detach_timeout_ms`` lowered to this server's
+        cap, or None where that is not longer than the store's default (which then applies)."""
+        want = min(asked.detach_timeout_ms or 0, self.settings.max_detach_timeout_ms)
+        return want if want > self.store.settings.detach_timeout_ms else None
+
     async def _fallback_for(self, model: Choice, asked: Params) -> Choice | None:
         """Rung 3: the light model this chat may move to now, or None."""
         light = self.settings.fallback_for(model.name)
@@ -142,7 +149,7 @@ class Submitter:
         grant.end_wait()
         st = self.settings
         chat = req.chat
-        params = {k: v for k, v in chat.params.to_wire().items() if k not in ROUTING_PARAMS}
+        params = {k: v for k, v in chat.params.to_wire().items() if k not in NOT_SAMPLING_PARAMS}
         # The server's own limit, advertised in welcome.limits.max_tokens, caps what a client asks for.
         params["max_tokens"] = min(params.get("max_tokens", st.default_max_tokens), st.max_tokens)
         if chat.params.seed is None:
@@ -216,6 +223,7 @@ class Submitter:
         }
         if grant.weight != 1.0:
             payload["weight"] = grant.weight  # the worker's engine shares itself by weighted service
+        own_detach = self.detach_timeout(req.chat.params)
         if req.prompt_cache_key:
             # Not "prompt_cache_key": a response echoes that field as the client sent it (extra), and
             # this one may be its user.
@@ -238,7 +246,8 @@ class Submitter:
             cache_key=cache_key,
             shared_cache=st.shared_response_cache,
             turn_after=req.turn_after,
-            detach_timeout_ms=req.detach_timeout_ms,
+            detach_timeout_ms=req.detach_timeout_ms if req.detach_timeout_ms is not None else own_detach,
+            keep_detach_timeout=own_detach is not None,
             model=model.name,
             route=model.route,
         )

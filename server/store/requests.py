@@ -267,6 +267,7 @@ class RequestStore:
         shared_cache: bool = False,
         turn_after: str | None = None,
         detach_timeout_ms: int | None = None,
+        keep_detach_timeout: bool = False,
         model: str = "",
         route: str = "",
     ) -> SubmitResult:
@@ -287,7 +288,9 @@ class RequestStore:
         ("" for the first turn). If another turn was accepted since → ``turn_moved``, nothing written;
         otherwise this request becomes the session's latest turn. None: not a content-mode turn.
         ``detach_timeout_ms`` overrides the detach timeout of this request (a background HTTP response
-        passes its unfinished TTL: nobody needs to stay attached to it).
+        passes its unfinished TTL: nobody needs to stay attached to it). ``keep_detach_timeout``: it is
+        the request's own for good (a chat's ``params.detach_timeout_ms``), and every touch extends the
+        request's deadline by it, not by the default.
         ``model`` names the model that serves it (recorded for ``accepted.model``); ``route`` picks that
         model's queue and counter (``Keys.model_queue``: "" for the default model). Session affinity
         (``prefer``) applies to the default model's queue only: a reaped worker's affinity queue drains
@@ -346,6 +349,7 @@ class RequestStore:
                 model,
                 route,
                 st.history_max_bytes,
+                "1" if keep_detach_timeout and detach_timeout_ms is not None else "",
             ],
         )
         outcome, epoch, state = _s(res[0]), int(res[1]), _s(res[2])

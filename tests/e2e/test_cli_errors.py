@@ -87,8 +87,69 @@ CASES = [
             ]
         ],
         2,
-        "port {busy} on 127.0.0.1 is already in use",
+        "--metrics-port {busy} on 127.0.0.1 is already in use (another tokenwire?): choose another with "
+        "--metrics-port N",
     ),
+    Case(
+        "gateway metrics port busy",
+        ["gateway", *STORE, "--port", "0", "--metrics-port", "{busy}"],
+        2,
+        "--metrics-port {busy} on 127.0.0.1 is already in use (another tokenwire?): choose another with "
+        "--metrics-port N",
+        "listening",
+    ),
+    Case(
+        "a timeout of no time",
+        ["serve", "--detach-timeout", "-1"],
+        2,
+        "argument --detach-timeout: expected more than 0 and at most 1e+09 seconds, got -1",
+    ),
+    Case("a lease of zero", ["worker", "--lease-ttl", "0"], 2, "argument --lease-ttl: expected more than 0"),
+    Case(
+        "a retention of NaN",
+        ["gateway", "--retention", "nan"],
+        2,
+        "argument --retention: expected more than 0",
+    ),
+    Case(
+        "a negative queue limit",
+        ["serve", "--max-queued", "-3"],
+        2,
+        "argument --max-queued: expected 0 or more",
+    ),
+    Case(
+        "a drain of minus", ["serve", "--drain-timeout", "-2"], 2, "argument --drain-timeout: expected 0 and"
+    ),
+    Case(
+        "cluster workers of no threads",
+        ["cluster", "--threads-per-worker", "0"],
+        2,
+        "argument --threads-per-worker: expected at least 1, got 0",
+    ),
+    Case(
+        "a log level nobody has",
+        ["serve", "--log-level", "loud"],
+        2,
+        "argument --log-level: expected one of debug, info, warning, error, got 'loud'",
+    ),
+    Case("an http Redis URL", ["serve", "--redis-url", "http://x"], 2, "expected redis://host[:port][/db]"),
+    Case("a Redis URL of no host", ["gateway", "--redis-url", "redis://"], 2, "'redis://': no host"),
+    Case(
+        "a Redis database that is no number",
+        ["gateway", "--redis-url", "redis://127.0.0.1:6379/abc"],
+        2,
+        "the database after the host must be a number, got 'abc'",
+    ),
+    Case(
+        "an empty key prefix", ["gateway", "--key-prefix", ""], 2, "argument --key-prefix: must not be empty"
+    ),
+    Case(
+        "cluster gateways past the last port",
+        ["cluster", "--port", "65535", "--gateways", "2"],
+        2,
+        "--port 65535 with --gateways 2 needs ports up to 65536; the last port is 65535",
+    ),
+    Case("chat at temperature 3", ["chat", "--temperature", "3"], 2, "expected a number from 0 to 2, got 3"),
     Case(
         "Redis unreachable",
         ["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--port", "0"],
@@ -302,3 +363,14 @@ def test_fallback_without_a_trigger_is_said_at_start() -> None:
     assert fallback_warning(args(degrade_ttft=2.0)) is None
     assert fallback_warning(args(max_queued=100)) is None
     assert fallback_warning(args(fallback=None)) is None
+
+
+def test_a_data_folder_that_cannot_be_one_is_said_in_words(tmp_path: Path) -> None:
+    """--data-dir naming a file (or a folder it may not create): the embedded Valkey's error, which serve
+    and cluster print as their one line, names the folder and the flag (it was a NotADirectoryError)."""
+    from server.store.embedded import EmbeddedValkey, EmbeddedValkeyError
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a folder")
+    with pytest.raises(EmbeddedValkeyError, match=r"data folder .*notes\.txt cannot be used .*--data-dir"):
+        EmbeddedValkey(a_file).start()

@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 from protocol import Chat, Delta, Done, Message, Params, Resume
 from server.client import Client, collect
 from tests.e2e.serve_process import ServeProcess
@@ -134,3 +136,56 @@ async def test_ctrl_c_on_cluster_mid_reply_exits_130_and_the_reply_resumes(
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+
+
+async def test_a_stop_while_the_model_loads_does_not_wait_for_the_load(tmp_path: Path) -> None:
+    """SIGTERM before the model is loaded: the process exits at once, not once the load is done (the
+    load's thread was joined at exit: 15 s and more for a first start that converts the GGUF)."""
+    from server.engine.model import ModelNotFound, default_model_dir
+
+    try:
+        default_model_dir()
+    except ModelNotFound as exc:
+        pytest.skip(str(exc))
+    # An empty cache: the packaged model's first load converts its GGUF, seconds of work to cut short.
+    env = {**NO_STORE_URL, "TOKENWIRE_CACHE": str(tmp_path / "cache")}
+    p = ServeProcess([], tmp_path / "data", env=env, new_session=True)
+    p.start()
+    try:
+        assert p.proc is not None and p.proc.stdout is not None
+        p.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(p.proc.wait, 120) == 0
+        assert "tokenwire ready" not in p.proc.stdout.read()  # it did not finish the load first
+    finally:
+        p.stop()
+    _clean(p.stderr_path.read_text())
+
+
+async def test_a_second_ctrl_c_during_the_drain_exits_at_once(peaky_model_dir: Path, tmp_path: Path) -> None:
+    """The first SIGINT drains (up to --drain-timeout, a minute here); a second one exits 130 without
+    waiting, and stops the embedded Valkey too. The reply is resumable after a restart all the same."""
+    data = tmp_path / "data"
+    args = ["--model", str(peaky_model_dir), "--drain-timeout", "60"]
+    first = ServeProcess(args, data, env=NO_STORE_URL, new_session=True)
+    url = first.start()
+    try:
+        token, offset, seen = await _read_some(url)
+        valkey = _valkey_pid(data)
+        assert first.proc is not None
+        first.proc.send_signal(signal.SIGINT)
+        await asyncio.sleep(0.1)  # the reply is far from done: the drain is still waiting for it
+        first.proc.send_signal(signal.SIGINT)
+        assert await asyncio.to_thread(first.proc.wait, 30) == 130
+        assert not _alive(valkey)
+    finally:
+        first.stop()
+    stderr = first.stderr_path.read_text()
+    _clean(stderr)
+    assert "stop.forced" in stderr
+
+    second = ServeProcess(args, data, env=NO_STORE_URL)
+    url = second.start()
+    try:
+        await _resume_rest(url, token, offset, seen)
+    finally:
+        assert second.stop() == 0

@@ -3,10 +3,11 @@ N ms; offsets stay exact, so the text and every resume point are what they would
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
-from protocol import Accepted, Chat, Delta, Done, Error, Hello, Params, Resume, Welcome
-from server.client import Client
+from protocol import Accepted, Cancel, Chat, Delta, Done, Error, Hello, Message, Params, Resume, Welcome
+from server.client import Client, collect
 from tests.gateway.conftest import Running
 
 TOKENS = 60
@@ -71,3 +72,26 @@ async def test_coalesce_ms_out_of_range_is_a_bad_hello(server: Running) -> None:
         f = await c.recv()
         assert isinstance(f, Error) and f.code == "bad_frame" and "coalesce_ms" in f.message, bad
         await c.close()
+
+
+async def test_the_end_is_not_held_for_the_window(server: Running) -> None:
+    """A stream's end (its last tokens, a cancel) goes out when the log ends, not when the window it
+    arrived in closes: the window is stretched here to 30 s, and the reply still ends at once, whole."""
+    server.engine.step_s = 0.005
+    server.engine.reply_len = 400
+    c = await Client.connect(server.url, hello=False)
+    await c.send(Hello(coalesce_ms=1000))
+    assert isinstance(await c.recv(), Welcome)
+    for conn in server.gateway.connections:
+        conn.coalesce_s = 30.0  # what a test cannot wait out: only the end can cut it short
+    t0 = asyncio.get_running_loop().time()
+    await c.send(Chat(id="e", content="count", params=Params(max_tokens=TOKENS)))
+    await c.send(Chat(id="x", messages=(Message(role="user", content="hi"),), params=Params(max_tokens=400)))
+    got = [f async for f in c.frames_for("e")]
+    deltas = [f for f in got if isinstance(f, Delta)]
+    assert isinstance(got[-1], Done) and got[-1].offset == TOKENS == sum(d.n for d in deltas)
+    await c.send(Cancel(id="x"))
+    _, _, cancelled, _ = await collect(c.frames_for("x"))
+    assert cancelled is not None and cancelled.finish_reason == "cancelled"
+    assert asyncio.get_running_loop().time() - t0 < 20  # a held window would be 30 s (and 60 for both)
+    await c.close()

@@ -9,7 +9,7 @@ import jwt
 import pytest
 import redis.asyncio as aioredis
 
-from protocol import Accepted, Cancel, Chat, Delta, Done, Error, Params, Resume
+from protocol import Accepted, Cancel, Chat, Delta, Done, Error, Message, Params, Resume
 from server.client import Client, ServerError, collect
 from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
@@ -152,3 +152,47 @@ async def test_detach_timeout_cancels_when_nobody_is_attached(
         info = await server.store.get(f"anon:{leaves.welcome.session}", "l")
         assert info is not None and info.state == "cancelled" and info.completion_tokens < 300
         await stays.close()
+
+
+async def test_the_detach_timeout_says_so_and_a_chat_may_ask_for_longer(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """SPEC 10.5: the end the detach timeout writes says why (done.cancel_reason), which a cancel's does
+    not, so an app back from the background can tell it from its user's Stop; and a chat's
+    params.detach_timeout_ms keeps it running with nobody attached, lowered to welcome.limits' cap."""
+    gateway = GatewaySettings(port=0, max_detach_timeout_ms=60_000)
+    async with running_server(
+        redis, redis_url, keys, gateway=gateway, store=Settings(detach_timeout_ms=300)
+    ) as server:
+        server.engine.step_s = 0.02
+        server.engine.reply_len = 400
+        c = await Client.connect(server.url)
+        assert c.welcome is not None and c.welcome.limits["max_detach_timeout_ms"] == 60_000
+        # Messages mode: three requests at once, none waiting for another's turn.
+        msgs = (Message(role="user", content="hi"),)
+        await c.send(Chat(id="short", messages=msgs, params=Params(max_tokens=300)))
+        # Over the cap: lowered to it (60 s), still far past this test.
+        await c.send(
+            Chat(id="long", messages=msgs, params=Params(max_tokens=100, detach_timeout_ms=3_600_000))
+        )
+        await c.send(Chat(id="stop", messages=msgs, params=Params(max_tokens=300)))
+        await c.send(Cancel(id="stop"))
+        _, _, stopped, _ = await collect(c.frames_for("stop"))
+        assert stopped is not None and stopped.finish_reason == "cancelled" and stopped.cancel_reason is None
+        token = c.welcome.session_token
+        c.ws.transport.abort()
+        await asyncio.sleep(3.0)  # ten default detach timeouts, and the worker's sweeps (about 1 s apart)
+        back = await Client.connect(server.url, session_token=token)
+        await back.send(Resume(id="short", offset=0))
+        _, _, short, _ = await collect(back.frames_for("short"))
+        assert short is not None and short.finish_reason == "cancelled" and 0 < short.offset < 300
+        assert short.cancel_reason == "detach_timeout"
+        await back.send(Resume(id="long", offset=0))
+        _, deltas, long, _ = await collect(back.frames_for("long"))
+        assert long is not None and long.finish_reason == "length" and long.offset == 100
+        assert long.cancel_reason is None and sum(d.n for d in deltas) == 100
+        # Lowered to the cap: a deadline 60 s after its last touch, not an hour.
+        owner = f"anon:{c.welcome.session}"
+        until = int(await redis.hget(keys.request(owner, "long"), "attached_until") or 0)
+        assert 0 < until - time.time() * 1000 <= 60_000
+        await back.close()

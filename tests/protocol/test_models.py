@@ -79,3 +79,15 @@ def test_a_refused_number_is_named_by_its_value(value: object, shown: str) -> No
     with pytest.raises(ProtocolError) as ei:
         parse_client_frame({"type": "chat", "id": "x", "content": "hi", "params": {"temperature": value}})
     assert ei.value.message == f"params.temperature: expected a finite number, got {shown}"
+
+
+def test_detach_timeout_ms_is_an_integer_in_range() -> None:
+    """params.detach_timeout_ms (SPEC §4.2): 0 to 3,600,000; anything else is a bad frame naming it."""
+    assert chat({"detach_timeout_ms": 600_000}).params.detach_timeout_ms == 600_000
+    assert chat({"detach_timeout_ms": 0}).params.detach_timeout_ms == 0
+    assert chat({}).params.detach_timeout_ms is None
+    assert chat({"detach_timeout_ms": 5}).to_wire()["params"] == {"detach_timeout_ms": 5}
+    for bad in (-1, 3_600_001, 1.5, "600", True, [1]):
+        with pytest.raises(ProtocolError) as exc:
+            chat({"detach_timeout_ms": bad})
+        assert exc.value.code == ErrorCode.BAD_FRAME and "params.detach_timeout_ms" in str(exc.value), bad

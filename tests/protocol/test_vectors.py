@@ -215,3 +215,19 @@ def test_done_without_cached_tokens_reads_as_zero() -> None:
             parse_server_frame(
                 {**done, "usage": {"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": bad}}
             )
+
+
+def test_done_cancel_reason_is_a_cancelled_requests_only() -> None:
+    """done.cancel_reason (SPEC §10.5): present only with finish_reason cancelled, a string a receiver
+    need not know (any value is still a cancel); on another finish, or not a string, the frame is bad."""
+    done = {"type": "done", "id": "r", "offset": 2, "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+    for why in ("detach_timeout", "something_newer"):
+        frame = parse_server_frame({**done, "finish_reason": "cancelled", "cancel_reason": why})
+        assert isinstance(frame, Done) and frame.cancel_reason == why
+        assert frame.to_wire()["cancel_reason"] == why
+    plain = parse_server_frame({**done, "finish_reason": "cancelled"})
+    assert isinstance(plain, Done) and plain.cancel_reason is None and "cancel_reason" not in plain.to_wire()
+    with pytest.raises(ProtocolError, match=r"done\.cancel_reason"):
+        parse_server_frame({**done, "finish_reason": "stop", "cancel_reason": "detach_timeout"})
+    with pytest.raises(ProtocolError, match=r"done\.cancel_reason"):
+        parse_server_frame({**done, "finish_reason": "cancelled", "cancel_reason": 1})

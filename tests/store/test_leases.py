@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -124,6 +125,7 @@ async def test_detach_timeout_cancels_running_and_queued(redis: aioredis.Redis, 
     last = (await redis.xrange(item.log_key))[-1]
     assert last[0] == b"1-2" and last[1][b"d"] == b"cancelled"
     assert last[1][b"pt"] == b"7"  # the prompt's length, from the log's first entry
+    assert last[1][b"c"] == b"detach_timeout"  # done.cancel_reason: not the client's cancel (SPEC 10.5)
 
     # A queued request nobody waits for any more is cancelled when a worker would start it.
     await store.submit("u", "q", "fp", {**PAYLOAD, "id": "q"})
@@ -131,6 +133,8 @@ async def test_detach_timeout_cancels_running_and_queued(redis: aioredis.Redis, 
     assert await _take_start(store, "w1") is None
     info = await store.get("u", "q")
     assert info is not None and info.state == "cancelled"
+    end = (await redis.xrange(keys.log("u", "q")))[-1][1]
+    assert (end[b"d"], end[b"c"]) == (b"cancelled", b"detach_timeout")
     # touch never resurrects an expired or unknown request
     assert await store.touch([keys.request("u", "gone")]) == 0
     assert not await redis.exists(keys.request("u", "gone"))
@@ -264,3 +268,23 @@ async def test_touch_and_retry_only_extend_the_detach_deadline(redis: aioredis.R
     await asyncio.sleep(0.01)
     assert await store.touch([short]) == 1
     assert int(await redis.hget(short, "attached_until") or 0) > before
+
+
+async def test_a_chats_own_detach_timeout_is_what_every_touch_extends_by(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    # params.detach_timeout_ms (SPEC 4.2): the client is away for up to that long after its last touch,
+    # not after its chat: a reply it followed for minutes still has that long once it leaves.
+    store = RequestStore(redis, keys, Settings(detach_timeout_ms=30_000))
+    await store.submit("u", "own", "fp", PAYLOAD, detach_timeout_ms=600_000, keep_detach_timeout=True)
+    await store.submit("u", "bg", "fp", {**PAYLOAD, "id": "bg"}, detach_timeout_ms=600_000)
+    own, bg = keys.request("u", "own"), keys.request("u", "bg")
+    for req in (own, bg):
+        await redis.hset(req, "attached_until", 0)  # as if submitted long ago
+    assert await store.touch([own, bg]) == 2
+    now_ms = int(time.time() * 1000)
+    own_until = int(await redis.hget(own, "attached_until") or 0)
+    bg_until = int(await redis.hget(bg, "attached_until") or 0)
+    assert now_ms + 590_000 < own_until <= now_ms + 601_000
+    # A background response's deadline was its submit's alone: a touch gives it the usual 30 s.
+    assert now_ms + 25_000 < bg_until <= now_ms + 31_000

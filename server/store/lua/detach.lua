@@ -20,7 +20,8 @@ for i = 2, #KEYS - 1, 2 do
     local pt = prompt_len(log, f[4])
     redis.call('HSET', req, 'state', 'cancelled', 'finish_reason', 'cancelled', 'updated_ms', now,
       'finished_ms', now, 'completion_tokens', e, 'prompt_tokens', pt)
-    redis.call('XADD', log, e .. '-2', 'd', 'cancelled', 'o', e, 'pt', pt)
+    -- 'c': why, for done.cancel_reason (SPEC 10.5): the client can tell this from its own Stop.
+    redis.call('XADD', log, e .. '-2', 'd', 'cancelled', 'o', e, 'pt', pt, 'c', 'detach_timeout')
     redis.call('PEXPIRE', req, ARGV[2])
     redis.call('PEXPIRE', log, ARGV[2])
     redis.call('HDEL', KEYS[1], log)

@@ -27,7 +27,7 @@ if tonumber(f[2] or '0') < now then
   local pt = prompt_len(KEYS[3], nil)
   redis.call('HSET', req, 'state', 'cancelled', 'finish_reason', 'cancelled', 'updated_ms', now,
     'finished_ms', now, 'prompt_tokens', pt)
-  redis.call('XADD', KEYS[3], f[3] .. '-2', 'd', 'cancelled', 'o', f[3], 'pt', pt)
+  redis.call('XADD', KEYS[3], f[3] .. '-2', 'd', 'cancelled', 'o', f[3], 'pt', pt, 'c', 'detach_timeout')
   redis.call('PEXPIRE', req, ARGV[2])
   redis.call('PEXPIRE', KEYS[3], ARGV[2])
   return false

@@ -16,7 +16,8 @@
 --       ("" for none: not cacheable, or a miss), 19 the response-cache key this request's log is cached
 --       under when it ends normally ("" when not cacheable), 20 the model that serves it, 21 its route
 --       ("" for the default model; KEYS[2] and KEYS[3] are that model's queue and counter in this
---       partition, and reap.lua re-queues the request to them), 22 history max bytes (history.lua)
+--       partition, and reap.lua re-queues the request to them), 22 history max bytes (history.lua),
+--       23 "1" when ARGV[9] is the request's own detach timeout, which touch.lua then extends it by
 -- Returns {"attach", epoch, state} | {"conflict", 0, state} | {"overloaded", queued, ""} | {"new", 1, "queued"}
 --       | {"user_limit", in_flight, ""} (the owner already has that many queued or running; nothing written)
 --       | {"cached", 1, "done"} (answered from the response cache: the log is written, no worker runs)
@@ -112,6 +113,9 @@ redis.call('HSET', req,
   'session', ARGV[5], 'user_msg', ARGV[6], 'completion_tokens', 0, 'prompt_tokens', 0,
   'attached_until', now + tonumber(ARGV[9]), 'cache_key', ARGV[19],
   'model', ARGV[20] or '', 'route', ARGV[21] or '')
+if ARGV[23] == '1' then
+  redis.call('HSET', req, 'detach_ms', ARGV[9])
+end
 redis.call('PEXPIRE', req, ARGV[7])
 redis.call('INCR', KEYS[3])
 if max_inflight > 0 then

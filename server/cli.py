@@ -134,6 +134,17 @@ def _max_tokens(value: str) -> int:
     return n
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d{1,3})?)$")
+
+
+def _device(value: str) -> str:
+    """``--device``: checked here, so a typo is one line at once, not torch's words after the imports."""
+    if not DEVICE_RE.match(value):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda, cuda:N or mps, got {value!r}")
+    return value
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -616,8 +627,12 @@ def build_parser() -> argparse.ArgumentParser:
             "folder; repeat for several, the first is the default (default: the packaged "
             "SmolLM2-135M-Instruct, named so)",
         )
-        p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-        p.add_argument("--dtype", default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ...")
+        p.add_argument(
+            "--device", type=_device, default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ..."
+        )
+        p.add_argument(
+            "--dtype", choices=DTYPES, default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ..."
+        )
         p.add_argument(
             "--threads", type=_at_least_one, help="torch CPU threads for the engine (default: torch's)"
         )
@@ -777,14 +792,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", metavar="FILE", help="write the results as JSON")
     b.add_argument("--turns", type=int, default=0, help="also measure TTFT per turn of an N-turn session")
-    b.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, ...")
+    b.add_argument("--device", type=_device, default="auto", help="auto (cuda if available), cpu, cuda, ...")
     b.add_argument(
         "--random-weights", metavar="CONFIG", help="random Llama: 1b, 1.7b, 135m, tiny or a config.json"
     )
     b.add_argument("--requests", type=int, default=32, help="concurrent requests per path")
     b.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling")
     b.add_argument("--model", help="a Hugging Face causal-LM folder (default: the packaged SmolLM2-135M)")
-    b.add_argument("--dtype", default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ...")
+    b.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ..."
+    )
     b.add_argument("--paths", help="comma-separated subset of padded_loop,static,hf_cb,engine,engine_poisson")
     b.add_argument("--profile", action="store_true", help="break a decode step down by phase")
     b.set_defaults(func=_bench)

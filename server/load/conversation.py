@@ -336,8 +336,9 @@ class Conversation:
                 except (ProtocolError, RuntimeError):
                     rec.error_code = "bad_server_frame"  # the server answered hello with nonsense
                     return
-                except (OSError, WebSocketException, TimeoutError):
+                except (OSError, WebSocketException, TimeoutError) as exc:
                     failures += 1
+                    self.state.connect_error = f"{exc or type(exc).__name__}"
                     if failures > MAX_CONNECT_FAILURES:
                         rec.error_code = "connect_failed"
                         return

@@ -95,6 +95,7 @@ def build_report(res: LoadResult) -> dict[str, Any]:
             "ok": len(ok),
             "failed": len(failed) + unfinished,
             "failed_by_code": dict(sorted(by_code.items())),
+            "last_connect_error": res.connect_error or None,
             "finish_reasons": dict(sorted(Counter(r.finish_reason or "none" for r in recs).items())),
             "per_s": round(len(ok) / window, 3) if window > 0 else None,
         },
@@ -178,6 +179,8 @@ def print_table(report: dict[str, Any]) -> None:
     if rq["issued"]:
         codes = ", ".join(f"{k} {v}" for k, v in rq["failed_by_code"].items()) or "none"
         t.add_row("requests", f"{rq['issued']} issued, {rq['ok']} ok, {rq['failed']} failed ({codes})")
+        if rq.get("last_connect_error"):
+            t.add_row("connect error", f"[yellow]{rq['last_connect_error']}[/yellow] (the last; retried)")
         t.add_row("tokens", f"{tk['completion']} completion, {_fmt(tk['per_s'])} tokens/s")
         if tk.get("prompt"):
             t.add_row("prompt tokens", f"{tk['prompt']}, {tk.get('prompt_cached', 0)} cached (usage)")

@@ -56,6 +56,7 @@ class RunState:
         self.resumes = 0
         self.buckets: list[int] = []
         self.servers: set[str] = set()
+        self.connect_error = ""  # the last reason a connection could not be made (the report says it)
         self.arrival_lags: list[float] = []
         self.on_finish: Callable[[RequestRecord], None] | None = None
 
@@ -113,6 +114,7 @@ class LoadResult:
     servers: list[str]
     arrival_lags: list[float] = field(default_factory=list)
     open_files_limit: int = 0
+    connect_error: str = ""
 
 
 ConversationRunner = Callable[[int, int], Awaitable[None]]  # (user or arrival index, conversation no.)
@@ -222,4 +224,5 @@ async def run_load(
         servers=sorted(state.servers),
         arrival_lags=state.arrival_lags,
         open_files_limit=limit,
+        connect_error=state.connect_error,
     )

@@ -149,8 +149,12 @@ CASES = [
         2,
         "--port 65535 with --gateways 2 needs ports up to 65536; the last port is 65535",
     ),
-    Case("a device torch has not", ["serve", "--device", "tpu"], 2, "expected auto, cpu, cuda, cuda:N or mps"),
-    Case("a dtype of three bits", ["worker", "--dtype", "int3"], 2, "argument --dtype: invalid choice: 'int3'"),
+    Case(
+        "a device torch has not", ["serve", "--device", "tpu"], 2, "expected auto, cpu, cuda, cuda:N or mps"
+    ),
+    Case(
+        "a dtype of three bits", ["worker", "--dtype", "int3"], 2, "argument --dtype: invalid choice: 'int3'"
+    ),
     Case("chat at temperature 3", ["chat", "--temperature", "3"], 2, "expected a number from 0 to 2, got 3"),
     Case(
         "Redis unreachable",

@@ -145,6 +145,29 @@ def test_server_pid_where_nothing_reads_it_is_refused() -> None:
     LoadConfig(url="ws://127.0.0.1:1/v1/ws", server_pid=1, scenario="store-cost")
 
 
+def test_a_server_that_is_not_there_is_said_with_its_reason(tmp_path: Path) -> None:
+    """Nothing listens at the URL: the report names why the connections failed, not a bare count."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    out = tmp_path / "report.json"
+    url = f"ws://127.0.0.1:{port}/v1/ws"
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", "load", url, "--requests", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0, done.stdout[-2000:]
+    rq = json.loads(out.read_text())["requests"]
+    assert rq["failed_by_code"] == {"connect_failed": 1}
+    why = rq["last_connect_error"].lower()
+    assert "refused" in why or "connect call failed" in why, why
+    assert "connect error" in done.stdout
+
+
 def test_requests_are_seeded_unique_and_skip_the_response_cache() -> None:
     from server.load.conversation import Conversation
     from server.load.runner import RunState
@@ -210,6 +233,8 @@ async def test_engine_only_runs_the_same_workload_as_the_server(
         (["--engine-only", "--idle", "5"], "no --idle"),
         (["ws://127.0.0.1:1/v1/ws", "--threads", "1"], "go with --engine-only"),
         (["http://127.0.0.1:1/v1", "--api", "openai-ws", "--drop-rate", "0.5"], "no --idle, --drop-rate"),
+        (["ws://127.0.0.1:1/v1/ws", "--requests", "0"], "--requests: expected at least 1"),
+        (["ws://127.0.0.1:1/v1/ws", "--duration", "0"], "--duration: expected more than 0 seconds"),
     ],
 )
 def test_engine_only_flags_are_checked(args: list[str], message: str) -> None:

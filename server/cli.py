@@ -736,6 +736,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the packaged SmolLM2-135M)",
     )
     k.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        default=10.0,
+        help="on SIGTERM or Ctrl-C, the workers let running requests finish this long before handing them "
+        "back (seconds; a second signal stops at once)",
+    )
+    k.add_argument(
         "--threads-per-worker", type=_at_least_one, default=1, help="torch threads per worker (default 1)"
     )
     k.add_argument(

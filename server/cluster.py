@@ -6,6 +6,7 @@ first, so gateways close with 1012 and workers drain)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from typing import IO
 
 from server.logs import resolve_format
 
-STOP_GRACE_S = 20.0
+STOP_GRACE_S = 20.0  # past the workers' drain: for their hand-back, the gateways' 1012s and exits
 
 
 def _count(n: int, what: str) -> str:
@@ -120,6 +121,12 @@ def run_cluster(args: argparse.Namespace) -> int:
     signals: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
+        if stopping.is_set():
+            # A second signal while the children drain: passed on, so each exits at once (app.py).
+            for p in procs.values():
+                if p.poll() is None:
+                    with contextlib.suppress(OSError):
+                        p.send_signal(signum)
         signals.append(signum)
         stopping.set()
 
@@ -129,6 +136,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         for i in range(args.workers):
             wargs = ["worker", *common, "--name", f"worker-{i}", "--threads", str(args.threads_per_worker)]
             wargs += ["--log-flush-ms", str(getattr(args, "log_flush_ms", 0.0))]
+            wargs += ["--drain-timeout", str(args.drain_timeout)]
             wargs += ["--prompt-sharing", getattr(args, "prompt_sharing", "public")]
             for spec in args.model or ():
                 wargs += ["--model", spec]
@@ -182,7 +190,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         for p in procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + args.drain_timeout + STOP_GRACE_S
         for p in procs.values():
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))

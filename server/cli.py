@@ -12,7 +12,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from server import __version__
+from server import __version__, argtypes
 from server.engine.api import PROMPT_SHARING
 from server.logs import FORMATS
 
@@ -37,17 +37,6 @@ class _Help(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def _port(value: str) -> int:
-    """A TCP port for argparse: 0-65535 (0 picks a free one)."""
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0-65535 (0 picks a free one), got {port}")
-    return port
-
-
 def _ws_origin(value: str) -> str:
     from server.gateway.ui_config import ws_origin
 
@@ -55,83 +44,6 @@ def _ws_origin(value: str) -> str:
         return ws_origin(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _at_least_one(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {n}")
-    return n
-
-
-MAX_SECONDS = 1e9  # about 31 years: past it a duration is a typo (and overflows Redis' expiries in ms)
-
-
-def _seconds_of(value: str, *, zero_ok: bool) -> float:
-    try:
-        s = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
-    if not (0 <= s <= MAX_SECONDS) or (s == 0 and not zero_ok):
-        least = "0" if zero_ok else "more than 0"
-        raise argparse.ArgumentTypeError(
-            f"expected {least} and at most {MAX_SECONDS:.0e} seconds, got {value}"
-        )
-    return s
-
-
-def _positive_seconds(value: str) -> float:
-    """A duration that must pass (a timeout, a TTL, a lease): more than 0 seconds."""
-    return _seconds_of(value, zero_ok=False)
-
-
-def _seconds(value: str) -> float:
-    """A duration where 0 means none (a drain, a threshold): 0 seconds or more."""
-    return _seconds_of(value, zero_ok=True)
-
-
-def _count(value: str) -> int:
-    """A count where 0 means no limit or off: 0 or more."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {n}")
-    return n
-
-
-def _flush_ms(value: str) -> float:
-    try:
-        ms = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, got {value!r}") from None
-    if not 0 <= ms <= 1000:
-        raise argparse.ArgumentTypeError(f"expected 0 to 1000 ms, got {value}")
-    return ms
-
-
-def _temperature(value: str) -> float:
-    """``chat --temperature``: params.temperature's range (SPEC 4.2), checked here to name the flag."""
-    try:
-        t = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 2, got {value!r}") from None
-    if not 0 <= t <= 2:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 2, got {value}")
-    return t
-
-
-def _max_tokens(value: str) -> int:
-    from protocol.frames import MAX_MAX_TOKENS
-
-    n = _at_least_one(value)
-    if n > MAX_MAX_TOKENS:
-        raise argparse.ArgumentTypeError(f"expected at most {MAX_MAX_TOKENS}, got {n}")
-    return n
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -442,30 +354,33 @@ def build_parser() -> argparse.ArgumentParser:
             "--key-prefix", type=_key_prefix, default="tw:", help="prefix of every Redis key (default tw:)"
         )
         p.add_argument(
-            "--lease-ttl", type=_positive_seconds, default=10.0, help="worker lease, seconds (default 10)"
+            "--lease-ttl",
+            type=argtypes.positive_seconds,
+            default=10.0,
+            help="worker lease, seconds (default 10)",
         )
         p.add_argument("--name", help="this process's id in the store (default host-pid)")
         p.add_argument(
             "--retention",
-            type=_positive_seconds,
+            type=argtypes.positive_seconds,
             default=24 * 3600.0,
             help="keep a finished request and its token log (for resume and retries) this long, seconds",
         )
         p.add_argument(
             "--session-ttl",
-            type=_positive_seconds,
+            type=argtypes.positive_seconds,
             default=24 * 3600.0,
             help="keep an idle session and its history this long after its last use, seconds (default 1 day)",
         )
         p.add_argument(
             "--history-max-messages",
-            type=_at_least_one,
+            type=argtypes.at_least_one,
             default=64,
             help="a session's history keeps at most this many messages; the oldest turns go first",
         )
         p.add_argument(
             "--history-max-bytes",
-            type=_at_least_one,
+            type=argtypes.at_least_one,
             default=1 << 20,
             help="and at most this many bytes (the newest turn always stays; default 1 MiB)",
         )
@@ -474,29 +389,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     def sockets(p: argparse.ArgumentParser) -> None:
         p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-        p.add_argument("--port", type=_port, default=8765, help="0 picks a free port (printed on stdout)")
+        p.add_argument(
+            "--port", type=argtypes.port, default=8765, help="0 picks a free port (printed on stdout)"
+        )
         p.add_argument(
             "--detach-timeout",
-            type=_positive_seconds,
+            type=argtypes.positive_seconds,
             default=30.0,
             help="cancel a request nobody is attached to for this long, seconds (default 30)",
         )
         p.add_argument(
             "--max-detach-timeout",
-            type=_positive_seconds,
+            type=argtypes.positive_seconds,
             default=600.0,
             help="the longest a chat's params.detach_timeout_ms may ask to keep it running with nobody "
             "attached (an app in the background), seconds (default 600; welcome.limits)",
         )
         p.add_argument(
             "--max-queued",
-            type=_count,
+            type=argtypes.count,
             default=0,
             help="refuse new chats with `overloaded` while this many wait in the queue (0: no limit)",
         )
         p.add_argument(
             "--max-inflight-per-user",
-            type=_count,
+            type=argtypes.count,
             default=0,
             help="refuse a user's new chats with `rate_limited` while they have this many queued or running, "
             "across all gateways (0: no limit)",
@@ -508,72 +425,77 @@ def build_parser() -> argparse.ArgumentParser:
         a = p.add_argument_group("admission (SPEC.md §6, §15.2): limits every door applies")
         a.add_argument(
             "--max-streams-per-user",
-            type=_at_least_one,
+            type=argtypes.at_least_one,
             default=256,
             help="streams one user may have attached to this gateway at once (default 256)",
         )
         a.add_argument(
             "--chat-bytes-per-connection",
-            type=_at_least_one,
+            type=argtypes.at_least_one,
             default=1 << 20,
             help="bytes of chat text per second per connection (HTTP: per user), bursts of twice that "
             "(default 1 MiB)",
         )
         a.add_argument(
             "--max-waiting-turns",
-            type=_count,
+            type=argtypes.count,
             default=2,
             help="content-mode turns of one session that may wait for the previous turn (default 2)",
         )
         a.add_argument(
             "--http-request-timeout",
-            type=_positive_seconds,
+            type=argtypes.positive_seconds,
             default=30.0,
             help="an HTTP request's headers and body must arrive within this, seconds (default 30)",
         )
         a.add_argument(
             "--max-http-connections",
-            type=_at_least_one,
+            type=argtypes.at_least_one,
             default=4096,
             help="HTTP connections this gateway holds at once (default 4096; past it: 503)",
         )
         a.add_argument(
             "--max-http-connections-per-peer",
-            type=_at_least_one,
+            type=argtypes.at_least_one,
             default=256,
             help="HTTP connections from one peer address (default 256; past it: 429)",
         )
         a.add_argument(
             "--max-ws-connections",
-            type=_at_least_one,
+            type=argtypes.at_least_one,
             default=65536,
             help="WebSockets this gateway holds at once, both doors (default 65536; past it: 503)",
         )
         a.add_argument(
             "--max-ws-connections-per-peer",
-            type=_count,
+            type=argtypes.count,
             default=8192,
             help="WebSockets from one peer address (default 8192; past it: 429; 0: no per-peer cap, "
             "for a gateway behind a proxy)",
         )
         a.add_argument(
             "--ingress-bytes-per-peer",
-            type=_count,
+            type=argtypes.count,
             default=16 << 20,
             help="bytes a second read from all connections of one peer address together (default 16 MiB; "
             "0: off, e.g. behind a reverse proxy, where every client has its address)",
         )
         d = p.add_argument_group("degradation under load (0 = off)")
         d.add_argument(
-            "--degrade-queue-depth", type=_count, default=0, help="degrade new chats past this queue"
+            "--degrade-queue-depth", type=argtypes.count, default=0, help="degrade new chats past this queue"
         )
-        d.add_argument("--degrade-ttft", type=_seconds, default=0.0, help="... or past this TTFT (seconds)")
         d.add_argument(
-            "--degrade-max-tokens", type=_at_least_one, default=128, help="max_tokens cap when degraded"
+            "--degrade-ttft", type=argtypes.seconds, default=0.0, help="... or past this TTFT (seconds)"
+        )
+        d.add_argument(
+            "--degrade-max-tokens",
+            type=argtypes.at_least_one,
+            default=128,
+            help="max_tokens cap when degraded",
         )
         d.add_argument(
             "--degrade-context-messages",
-            type=_at_least_one,
+            type=argtypes.at_least_one,
             default=8,
             help="latest messages kept when degraded",
         )
@@ -598,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--metrics-port",
-            type=_port,
+            type=argtypes.port,
             help="serve Prometheus /metrics on this port (0: a free one) and not on --port; without it "
             "/metrics is on --port, and only while auth is off",
         )
@@ -634,7 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--dtype", choices=DTYPES, default="auto", help="auto (CUDA: bf16; CPU: measured), float32, ..."
         )
         p.add_argument(
-            "--threads", type=_at_least_one, help="torch CPU threads for the engine (default: torch's)"
+            "--threads",
+            type=argtypes.at_least_one,
+            help="torch CPU threads for the engine (default: torch's)",
         )
         p.add_argument(
             "--scheduling",
@@ -644,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--kv-budget-mb",
-            type=_at_least_one,
+            type=argtypes.at_least_one,
             metavar="MB",
             help="memory for the KV cache, MiB (default: on CPU 1024 or an eighth of RAM if less; on CUDA "
             "half the free GPU memory, at most 32 GiB). Fewer MiB, fewer sequences at once",
@@ -661,13 +585,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--drain-timeout",
-            type=_seconds,
+            type=argtypes.seconds,
             default=10.0,
             help="on SIGTERM, let running requests finish this long before handing them back (seconds)",
         )
         p.add_argument(
             "--log-flush-ms",
-            type=_flush_ms,
+            type=argtypes.flush_ms,
             default=0.0,
             metavar="MS",
             help="write the token logs to Redis at most this often: several steps' tokens of a reply in one "
@@ -698,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     model(w)
     w.add_argument(
         "--metrics-port",
-        type=_port,
+        type=argtypes.port,
         help="serve Prometheus /metrics and the /healthz (liveness) and /readyz (readiness) probes here",
     )
     w.add_argument("--host", default="127.0.0.1", help="address for --metrics-port")
@@ -707,10 +631,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser(
         "cluster", help="a local cluster: N gateways and M workers sharing one Redis", formatter_class=_Help
     )
-    k.add_argument("--gateways", type=_at_least_one, default=2, help="gateway processes")
-    k.add_argument("--workers", type=_at_least_one, default=2, help="worker processes")
+    k.add_argument("--gateways", type=argtypes.at_least_one, default=2, help="gateway processes")
+    k.add_argument("--workers", type=argtypes.at_least_one, default=2, help="worker processes")
     k.add_argument("--host", default="127.0.0.1", help="address the gateways listen on")
-    k.add_argument("--port", type=_port, default=8765, help="first gateway's port; the others follow")
+    k.add_argument("--port", type=argtypes.port, default=8765, help="first gateway's port; the others follow")
     k.add_argument("--redis-url", type=_redis_url, help="shared Redis (default: start an embedded Valkey)")
     k.add_argument(
         "--redis-shards",
@@ -737,17 +661,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument(
         "--drain-timeout",
-        type=_seconds,
+        type=argtypes.seconds,
         default=10.0,
         help="on SIGTERM or Ctrl-C, the workers let running requests finish this long before handing them "
         "back (seconds; a second signal stops at once)",
     )
     k.add_argument(
-        "--threads-per-worker", type=_at_least_one, default=1, help="torch threads per worker (default 1)"
+        "--threads-per-worker",
+        type=argtypes.at_least_one,
+        default=1,
+        help="torch threads per worker (default 1)",
     )
     k.add_argument(
         "--log-flush-ms",
-        type=_flush_ms,
+        type=argtypes.flush_ms,
         default=0.0,
         metavar="MS",
         help="each worker's --log-flush-ms (default 0)",
@@ -758,18 +685,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin worker i to CPU i (round robin over this process's CPUs), as taskset would: each "
         "worker then uses one core whatever its threads; gateways and Redis are left unpinned",
     )
-    k.add_argument("--lease-ttl", type=_positive_seconds, default=10.0, help="worker lease, seconds")
+    k.add_argument("--lease-ttl", type=argtypes.positive_seconds, default=10.0, help="worker lease, seconds")
     k.add_argument(
-        "--retention", type=_positive_seconds, default=24 * 3600.0, help="finished requests kept, seconds"
+        "--retention",
+        type=argtypes.positive_seconds,
+        default=24 * 3600.0,
+        help="finished requests kept, seconds",
     )
     k.add_argument(
-        "--session-ttl", type=_positive_seconds, default=24 * 3600.0, help="idle sessions kept, seconds"
+        "--session-ttl",
+        type=argtypes.positive_seconds,
+        default=24 * 3600.0,
+        help="idle sessions kept, seconds",
     )
     k.add_argument(
-        "--history-max-messages", type=_at_least_one, default=64, help="messages a session's history keeps"
+        "--history-max-messages",
+        type=argtypes.at_least_one,
+        default=64,
+        help="messages a session's history keeps",
     )
     k.add_argument(
-        "--history-max-bytes", type=_at_least_one, default=1 << 20, help="bytes a session's history keeps"
+        "--history-max-bytes",
+        type=argtypes.at_least_one,
+        default=1 << 20,
+        help="bytes a session's history keeps",
     )
     k.add_argument("--log-level", type=_log_level, default="info", help="debug, info, warning or error")
     log_format(k)
@@ -783,12 +722,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-m", "--message", help="ask one question, print the streamed answer, exit")
     c.add_argument(
         "--temperature",
-        type=_temperature,
+        type=argtypes.temperature,
         help="sampling temperature, 0 to 2 (default: the server's, 0: greedy)",
     )
     c.add_argument(
         "--max-tokens",
-        type=_max_tokens,
+        type=argtypes.max_tokens,
         help="longest reply in tokens, 1 to 8192 (default: the server's, 256)",
     )
     c.add_argument("--model", help="one of the server's models (default: the server's default model)")

@@ -11,28 +11,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from server import argtypes
+
 DEFAULT_DURATION_S = 30.0
-
-
-def _positive(value: str) -> float:
-    """A duration that must pass: a run of 0 seconds issues nothing and reports nothing."""
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
-    if not 0 < x < math.inf:
-        raise argparse.ArgumentTypeError(f"expected more than 0 seconds, got {value}")
-    return x
-
-
-def _at_least_one(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {n}")
-    return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,8 +285,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "others (server/load/gateway_loss.py)",
     )
     b = p.add_argument_group("bounds (default: --duration 30)")
-    b.add_argument("--duration", type=_positive, help="issue no new request after this many seconds")
-    b.add_argument("--requests", type=_at_least_one, help="issue this many requests in all")
+    b.add_argument(
+        "--duration", type=argtypes.positive_seconds, help="issue no new request after this many seconds"
+    )
+    b.add_argument("--requests", type=argtypes.at_least_one, help="issue this many requests in all")
     b.add_argument("--request-timeout", type=float, default=300.0, help="per request, s (default 300)")
     r = p.add_argument_group("resilience")
     r.add_argument(

@@ -109,7 +109,7 @@ CASES = [
         "a retention of NaN",
         ["gateway", "--retention", "nan"],
         2,
-        "argument --retention: expected more than 0",
+        "argument --retention: expected seconds, got nan",
     ),
     Case(
         "a negative queue limit",

@@ -1,0 +1,99 @@
+"""argparse types for the command line's numbers. Each names the range it wants, so a bad value is one
+line that says what to write (argparse puts the flag's name in front of it) instead of a traceback, or a
+server that starts and then cancels every chat (``--detach-timeout -1`` did)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+MAX_SECONDS = 1e9  # about 31 years: past it a duration is a typo (and overflows Redis' expiries in ms)
+
+
+def _whole(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+
+
+def _number(value: str, what: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+    if math.isnan(x):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return x
+
+
+def port(value: str) -> int:
+    """A TCP port: 0-65535 (0 picks a free one)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {value!r}") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535 (0 picks a free one), got {n}")
+    return n
+
+
+def at_least_one(value: str) -> int:
+    """A count that must be something: processes, threads, a cap that 0 would turn into a refusal."""
+    n = _whole(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {n}")
+    return n
+
+
+def count(value: str) -> int:
+    """A count where 0 means no limit, or off: 0 or more."""
+    n = _whole(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {n}")
+    return n
+
+
+def _seconds(value: str, *, zero_ok: bool) -> float:
+    s = _number(value, "seconds")
+    if not (0 <= s <= MAX_SECONDS) or (s == 0 and not zero_ok):
+        least = "0" if zero_ok else "more than 0"
+        raise argparse.ArgumentTypeError(
+            f"expected {least} and at most {MAX_SECONDS:.0e} seconds, got {value}"
+        )
+    return s
+
+
+def positive_seconds(value: str) -> float:
+    """A duration that must pass (a timeout, a TTL, a lease, a run): more than 0 seconds."""
+    return _seconds(value, zero_ok=False)
+
+
+def seconds(value: str) -> float:
+    """A duration where 0 means none (a drain, a threshold): 0 seconds or more."""
+    return _seconds(value, zero_ok=True)
+
+
+def flush_ms(value: str) -> float:
+    ms = _number(value, "milliseconds")
+    if not 0 <= ms <= 1000:
+        raise argparse.ArgumentTypeError(f"expected 0 to 1000 ms, got {value}")
+    return ms
+
+
+def temperature(value: str) -> float:
+    """``chat --temperature``: params.temperature's range (SPEC 4.2), checked here to name the flag."""
+    t = _number(value, "a number from 0 to 2")
+    if not 0 <= t <= 2:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 2, got {value}")
+    return t
+
+
+def max_tokens(value: str) -> int:
+    """``chat --max-tokens``: params.max_tokens' range (SPEC 4.2)."""
+    from protocol.frames import MAX_MAX_TOKENS
+
+    n = at_least_one(value)
+    if n > MAX_MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_MAX_TOKENS}, got {n}")
+    return n

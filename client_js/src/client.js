@@ -13,10 +13,15 @@ import * as F from "./frames.js";
 import { defaultStorage } from "./storage.js";
 
 export const STATES = Object.freeze(["idle", "connecting", "open", "reconnecting", "paused", "offline", "closed"]);
-// Replies kept in `persist` storage for a relaunch: at most this many, each at most this much text (a
-// longer one keeps its offset and epoch only, and is replayed whole on restore).
+// Requests kept in `persist` storage for a relaunch: at most this many (the newest), all in one stored
+// value of at most MAX_PERSISTED_BYTES of UTF-8. That bound keeps the value under the 64 KiB some stores
+// cap an entry at, so one long reply never stops the others being saved: over it, the longest saved texts
+// go first (such a reply keeps its id only, and is replayed whole from the server on restore).
 export const MAX_PERSISTED = 32;
+export const MAX_PERSISTED_BYTES = 60 * 1024;
+// No longer a bound of its own (every text that fits in MAX_PERSISTED_BYTES is shorter); kept for imports.
 export const MAX_PERSISTED_TEXT = 64 * 1024;
+const NO_TEXT = Object.freeze({ offset: 0, epoch: null, text: "" }); // a reply saved without its text
 const PERSIST_EVERY_MS = 250;
 
 const FATAL_CLOSE_CODES = new Set([1002, 1008]);
@@ -112,6 +117,9 @@ export class ChatStream {
     this.state = "pending";
     this.waitingFor = null;
     this.finishReason = null;
+    // "detach_timeout": the server cancelled it because nobody was attached for its detach timeout (the
+    // app was away too long), not because of a cancel. null otherwise.
+    this.cancelReason = null;
     this.result = new Promise((resolve, reject) => {
       this.#resolve = resolve;
       this.#reject = reject;
@@ -147,6 +155,8 @@ export class ChatStream {
     if (this.#ended) return;
     this.#ended = true;
     this.finishReason = done ? done.finish_reason : null;
+    // SPEC §10.5: any other cancel_reason is read as a plain cancel's.
+    if (done?.finish_reason === "cancelled" && done.cancel_reason === "detach_timeout") this.cancelReason = "detach_timeout";
     if (error) {
       this.#error = error;
       this.state = "failed";
@@ -157,6 +167,7 @@ export class ChatStream {
         id: this.id,
         text: this.text,
         finishReason: done.finish_reason,
+        cancelReason: this.cancelReason,
         offset: done.offset,
         // SPEC §4: a server before cached_tokens sends none; it reads as 0.
         usage: { ...done.usage, cached_tokens: done.usage.cached_tokens ?? 0 },
@@ -216,6 +227,13 @@ export class TokenwireClient extends Emitter {
   #persist = null; // options.persist: replies in flight, kept for a relaunch
   #persistKey;
   #persistTimer = null;
+  // No write before restore() or the first chat(): until then the stored value is an earlier run's, which
+  // pause(), close() or an ended resume(id) of this client must not erase.
+  #persistArmed = false;
+  // A storage whose writes return promises may finish them out of order: one write at a time, and after
+  // it only the latest value (undefined: none waiting; null: remove), so the last to land is the latest.
+  #persistWriting = false;
+  #persistNext = undefined;
 
   /**
    * @param url ws:// or wss:// URL of /v1/ws (a path like "/v1/ws" is resolved against the page in browsers)
@@ -232,6 +250,7 @@ export class TokenwireClient extends Emitter {
     }
     this.#msgpack = options.msgpack ?? null;
     if (options.coalesceMs != null) F.hello({ coalesceMs: options.coalesceMs }); // checks the range now
+    checkDetachTimeout(options.detachTimeoutMs);
     this.#subprotocols = subprotocolsFrom(options.subprotocols, !!this.#msgpack);
     this.#storage = options.storage === undefined ? defaultStorage() : options.storage;
     this.#storageKey = options.storageKey ?? `tokenwire:session_token:${typeof url === "function" ? "default" : this.#url}`;
@@ -292,6 +311,12 @@ export class TokenwireClient extends Emitter {
   chat(input, params = {}, { id = newId(), signal } = {}) {
     if (this.#state === "closed") throw new TokenwireError("closed", "the client is closed; call connect()");
     if (this.#requests.has(id)) throw new TypeError(`request ${id} is already in progress`);
+    const detach = this.#opts.detachTimeoutMs;
+    // The client's detachTimeoutMs, unless the chat names its own (anything but an object is left to
+    // F.chat to refuse).
+    if (detach != null && (params == null || (typeof params === "object" && !Array.isArray(params) && params.detach_timeout_ms == null))) {
+      params = { ...params, detach_timeout_ms: detach };
+    }
     const frame = F.chat(typeof input === "string" ? { id, content: input, params } : { id, messages: input, params });
     // A frame over the server's limit would close every connection it is sent on (1009), and with it
     // every other request's, again at each reconnect. Its text alone bounds its size from below (UTF-8
@@ -304,6 +329,7 @@ export class TokenwireClient extends Emitter {
     const req = this.#track(id, frame, 0, null, "");
     this.#drive(req);
     if (signal) this.#bindSignal(req, signal);
+    this.#persistArmed = true; // the app chose not to restore() first (README): this client's set is the one
     this.#flushPersisted(); // kept from the start: an app killed before its accepted sends it again
     return req.stream;
   }
@@ -383,8 +409,9 @@ export class TokenwireClient extends Emitter {
 
   /**
    * The app went to the background. After `graceMs` (default 5000) the socket is closed cleanly and no
-   * reconnect is tried until resume(). This is never a cancel: the server runs every request on, and
-   * resume() continues each from its last offset. Persisted replies are saved now.
+   * reconnect is tried until resume(). This is never a cancel: the server runs every request on for its
+   * detach timeout (30 s by default; options.detachTimeoutMs asks for longer), and resume() continues
+   * each from its last offset. Persisted replies are saved now.
    */
   pause({ graceMs = 5000 } = {}) {
     if (this.#state === "closed" || this.#paused) return;
@@ -412,14 +439,14 @@ export class TokenwireClient extends Emitter {
   }
 
   /**
-   * resume() without an id: foreground again, or the network came back. Reconnect now (no backoff) and
-   * resume every reply in flight from its last offset; a socket that is still open is probed instead.
+   * resume() without an id: foreground again. Reconnect now (no backoff) and resume every reply in
+   * flight from its last offset; a socket that is still open is probed instead. setOnline(true) also
+   * comes here, once it has ended the offline wait.
    */
   #foreground() {
     if (this.#state === "closed") return;
     const wasPaused = this.#paused;
     this.#paused = false;
-    this.#offline = false;
     clearTimeout(this.#pauseTimer);
     this.#pauseTimer = null;
     if (this.#conn?.welcomed) {
@@ -428,6 +455,14 @@ export class TokenwireClient extends Emitter {
     }
     if (this.#conn) return; // an attempt is under way
     if (this.#state === "idle" && !wasPaused) return; // never connected: connect() decides
+    if (this.#offline) {
+      // setOnline(false) still holds (the foreground is no news about the network): wait for
+      // setOnline(true) instead of spinning the backoff.
+      clearTimeout(this.#retryTimer);
+      this.#retryTimer = null;
+      this.#setState("offline");
+      return;
+    }
     this.#attempt = 0;
     this.#open();
   }
@@ -458,6 +493,11 @@ export class TokenwireClient extends Emitter {
    */
   async restore() {
     const saved = await this.#readPersisted();
+    this.#persistArmed = true;
+    if (saved === null) {
+      this.#flushPersisted(); // unreadable (reported): replaced by what this client holds
+      return [];
+    }
     const out = [];
     for (const [id, e] of Object.entries(saved)) {
       if (this.#requests.has(id) || !e || typeof e !== "object") continue;
@@ -596,12 +636,13 @@ export class TokenwireClient extends Emitter {
   /**
    * Write the requests in flight (the newest MAX_PERSISTED): an accepted one as its offset, epoch and
    * text so far; one the server has not accepted yet (sent, waiting its turn, refused for now) as its
-   * chat frame, to be sent again on restore, when that frame's JSON is at most MAX_PERSISTED_TEXT.
+   * chat frame, to be sent again on restore. fitPersisted keeps the whole within MAX_PERSISTED_BYTES.
    */
   #flushPersisted() {
     if (!this.#persist) return;
     clearTimeout(this.#persistTimer);
     this.#persistTimer = null;
+    if (!this.#persistArmed) return;
     const entries = {};
     const live = [...this.#requests.values()].filter((r) => !r.stream.ended && (r.accepted || r.frame));
     for (const req of live.slice(-MAX_PERSISTED)) {
@@ -611,33 +652,62 @@ export class TokenwireClient extends Emitter {
         continue;
       }
       const text = req.stream.text;
-      entries[req.id] =
-        text.length <= MAX_PERSISTED_TEXT
-          ? { offset: req.stream.offset, epoch: req.stream.epoch ?? null, text }
-          : { offset: 0, epoch: null, text: "" }; // too long to keep: replayed whole on restore
+      // More UTF-16 units than the budget is more bytes too: dropped without being counted.
+      entries[req.id] = text.length <= MAX_PERSISTED_BYTES ? { offset: req.stream.offset, epoch: req.stream.epoch ?? null, text } : NO_TEXT;
+    }
+    fitPersisted(entries);
+    this.#writePersisted(Object.keys(entries).length ? JSON.stringify(entries) : null);
+  }
+
+  /** Store `value` (null: remove it), one write at a time; see #persistWriting. */
+  #writePersisted(value) {
+    if (this.#persistWriting) {
+      this.#persistNext = value;
+      return;
     }
     let write;
     try {
       // Web Storage throws synchronously (QuotaExceededError), as MMKV may: reported, never thrown
       // out of a timer, a socket handler, pause() or close().
-      write = Object.keys(entries).length
-        ? this.#persist.setItem(this.#persistKey, JSON.stringify(entries))
-        : this.#persist.removeItem(this.#persistKey);
+      write = value !== null ? this.#persist.setItem(this.#persistKey, value) : this.#persist.removeItem(this.#persistKey);
     } catch (err) {
-      write = Promise.reject(err);
+      queueMicrotask(() => this.emit("error", err));
+      return;
     }
-    Promise.resolve(write).catch((err) => this.emit("error", err));
+    if (typeof write?.then !== "function") return; // a synchronous storage: written already
+    this.#persistWriting = true;
+    const next = () => {
+      this.#persistWriting = false;
+      const v = this.#persistNext;
+      this.#persistNext = undefined;
+      if (v !== undefined) this.#writePersisted(v);
+    };
+    Promise.resolve(write).then(next, (err) => {
+      this.emit("error", err);
+      next();
+    });
   }
 
+  /** The saved requests, {} when none, or null when the value is unreadable (reported as an error event). */
   async #readPersisted() {
     if (!this.#persist) return {};
+    let raw;
     try {
-      const raw = await this.#persist.getItem(this.#persistKey);
-      const parsed = raw ? JSON.parse(raw) : {};
-      return parsed && typeof parsed === "object" && !Array.isArray(parsed) ? parsed : {};
-    } catch {
-      return {}; // unreadable: nothing to restore (never a crash at launch)
+      raw = await this.#persist.getItem(this.#persistKey);
+    } catch (err) {
+      this.emit("error", err); // never a crash at launch
+      return null;
     }
+    if (raw == null || raw === "") return {};
+    try {
+      const parsed = JSON.parse(raw);
+      if (parsed && typeof parsed === "object" && !Array.isArray(parsed)) return parsed;
+    } catch {
+      // reported below
+    }
+    const what = `${String(raw).length} characters`;
+    this.emit("error", new TokenwireError("bad_persisted", `the persisted requests (${what}) are not a JSON object, cut short by the storage?: nothing restored`));
+    return null;
   }
 
   // -------------------------------------------------------------------------------- connection
@@ -679,7 +749,9 @@ export class TokenwireClient extends Emitter {
   #open() {
     clearTimeout(this.#retryTimer);
     this.#retryTimer = null;
-    this.#setState(this.#everOpen ? "reconnecting" : "connecting", { attempt: this.#attempt });
+    // After a failed attempt #lost has said "reconnecting", with the delay: this attempt is that one.
+    const next = this.#everOpen ? "reconnecting" : "connecting";
+    if (this.#state !== next) this.#setState(next, { attempt: this.#attempt });
     const conn = { ws: null, codec: null, welcomed: false, helloSession: null, lastRx: Date.now(), pingTs: null, pingAt: 0, timers: [] };
     this.#conn = conn;
     this.#start(conn).catch((err) => this.#lost(conn, { code: 1006, reason: String(err?.message ?? err), abandon: true }));
@@ -1092,8 +1164,43 @@ function persistableChat(frame) {
       }
       return v;
     });
-    return json.length <= MAX_PERSISTED_TEXT ? JSON.parse(json) : null;
+    return json.length <= MAX_PERSISTED_BYTES && utf8Length(json) <= MAX_PERSISTED_BYTES ? JSON.parse(json) : null;
   } catch {
     return null;
   }
+}
+
+/**
+ * Shrink `entries` (id -> saved entry) until their JSON is at most MAX_PERSISTED_BYTES of UTF-8 (what a
+ * store caps, not UTF-16 units: CJK text takes 3 bytes a character). The saved text of the largest replies
+ * goes first, each reply keeping its id (restored from offset 0: the server replays it whole); only if
+ * the chats not accepted yet are still too large, the largest of them go (not restored).
+ */
+function fitPersisted(entries) {
+  const size = (id, e) => utf8Length(JSON.stringify(id)) + 1 + utf8Length(JSON.stringify(e)); // "id":entry
+  const sizes = Object.entries(entries).map(([id, e]) => [id, size(id, e)]);
+  let total = 2 + sizes.reduce((n, [, s]) => n + s, 0) + Math.max(0, sizes.length - 1); // braces, commas
+  if (total <= MAX_PERSISTED_BYTES) return;
+  sizes.sort((a, b) => b[1] - a[1]);
+  for (const [id, s] of sizes) {
+    if (total <= MAX_PERSISTED_BYTES) return;
+    if (entries[id].text) {
+      entries[id] = NO_TEXT;
+      total += size(id, NO_TEXT) - s;
+    }
+  }
+  for (const [id, s] of sizes) {
+    if (total <= MAX_PERSISTED_BYTES) return;
+    if (entries[id].chat) {
+      delete entries[id];
+      total -= s + 1; // and its comma
+    }
+  }
+}
+
+/** options.detachTimeoutMs: absent, or an integer of ms within what params.detach_timeout_ms takes. */
+function checkDetachTimeout(v) {
+  if (v == null) return;
+  if (typeof v !== "number" || !Number.isInteger(v)) throw new TypeError(`detachTimeoutMs: expected an integer number of ms, got ${String(v)}`);
+  if (v < 0 || v > F.MAX_DETACH_TIMEOUT_MS) throw new RangeError(`detachTimeoutMs: expected 0-${F.MAX_DETACH_TIMEOUT_MS} ms, got ${v}`);
 }

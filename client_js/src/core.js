@@ -6,6 +6,7 @@ export {
   TokenwireError,
   STATES,
   MAX_PERSISTED,
+  MAX_PERSISTED_BYTES,
   MAX_PERSISTED_TEXT,
   backoffDelay,
   newId,

@@ -11,6 +11,9 @@ export const MAX_STOP_STRINGS = 4;
 export const MAX_STOP_CHARS = 64;
 export const MAX_MAX_TOKENS = 8192;
 export const MAX_TOKEN_CHARS = 4096;
+// params.detach_timeout_ms: how long the server keeps a request running with nobody attached (SPEC §4.2;
+// it lowers the value to welcome.limits.max_detach_timeout_ms, and never below its own default).
+export const MAX_DETACH_TIMEOUT_MS = 3600000;
 export const ROLES = Object.freeze(["system", "user", "assistant"]);
 export const FINISH_REASONS = Object.freeze(["stop", "length", "cancelled", "error"]);
 export const REQUEST_STATES = Object.freeze(["queued", "running", "done", "failed", "cancelled"]);
@@ -143,6 +146,7 @@ export function params(p = {}) {
     if (typeof p.fallback !== "boolean") throw new TypeError(`params.fallback: expected a boolean, got ${p.fallback}`);
     out.fallback = p.fallback;
   }
+  intIn("detach_timeout_ms", 0, MAX_DETACH_TIMEOUT_MS);
   const stop = p.stop;
   if (stop != null) {
     const items = typeof stop === "string" ? [stop] : stop;

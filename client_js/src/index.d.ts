@@ -8,8 +8,16 @@ export type Subprotocol = "tokenwire.v1.msgpack" | "tokenwire.v1.json";
 
 /** "paused": after pause() and its grace (no socket, no retries); "offline": setOnline(false) and the socket lost. */
 export type ConnectionState = "idle" | "connecting" | "open" | "reconnecting" | "paused" | "offline" | "closed";
-/** At most this many replies are kept by `persist` (the newest), each with at most MAX_PERSISTED_TEXT characters of text. */
+/** At most this many requests in flight are kept by `persist` (the newest): 32. */
 export const MAX_PERSISTED: number;
+/**
+ * The most UTF-8 bytes of the one value `persist` stores (60 KiB: under the 64 KiB some stores cap an entry
+ * at; CJK text takes 3 bytes a character). Over it, the saved text of the largest replies is dropped first
+ * (such a reply is kept as its id at offset 0 and replayed whole by the server on restore, so every
+ * accepted request stays saved); only if the unaccepted chats alone are over it, the largest of them.
+ */
+export const MAX_PERSISTED_BYTES: number;
+/** @deprecated No longer a bound of its own (every text that fits in MAX_PERSISTED_BYTES is shorter). */
 export const MAX_PERSISTED_TEXT: number;
 export const STATES: readonly ConnectionState[];
 
@@ -39,9 +47,25 @@ export interface ChatParams {
   model?: string;
   /** false: never move this request to a lighter model when its model is overloaded (default true). */
   fallback?: boolean;
+  /**
+   * 0–3,600,000: keep this request running with nobody attached for this long (ms). The server uses
+   * max(its default, min(this, welcome.limits.max_detach_timeout_ms)); 0 or absent: its default (30 s).
+   * Default: the client's `detachTimeoutMs`, if set.
+   */
+  detach_timeout_ms?: number;
 }
 
+/**
+ * "cancelled": a cancel ended it, or the server's detach timeout did (nobody attached for it): then
+ * `cancelReason` is "detach_timeout".
+ */
 export type FinishReason = "stop" | "length" | "cancelled" | "error";
+/**
+ * Why a request ended "cancelled" when it was not a cancel: "detach_timeout", the server cancelled it
+ * because nobody was attached for its detach timeout (the app was away too long). null for a cancel (Stop),
+ * for any other end, and for a cancel_reason this client does not know (SPEC §10.5: a plain cancel).
+ */
+export type CancelReason = "detach_timeout" | null;
 export type RequestState = "queued" | "running" | "done" | "failed" | "cancelled";
 
 export interface Usage {
@@ -74,6 +98,7 @@ export interface ChatResult {
   /** The whole completion text (what the deltas concatenate to). */
   text: string;
   finishReason: FinishReason;
+  cancelReason: CancelReason;
   /** Total completion tokens. */
   offset: number;
   usage: Usage;
@@ -98,16 +123,22 @@ export class ChatStream implements AsyncIterable<StreamItem> {
   /** While waiting: the id of the turn it waits for, when the server said. */
   readonly waitingFor: string | null;
   readonly finishReason: FinishReason | null;
+  /** Set at the end: "detach_timeout" when the server's detach timeout cancelled it, else null. */
+  readonly cancelReason: CancelReason;
   readonly ended: boolean;
   /** Resolves at `done`; rejects with a TokenwireError if the request failed or was lost. */
   readonly result: Promise<ChatResult>;
-  /** Ask the server to stop the request; the stream then ends with finishReason "cancelled". */
+  /** Ask the server to stop the request; the stream then ends with finishReason "cancelled" (cancelReason null). */
   cancel(): void;
   /** Iterable once. Throws a TokenwireError at the end if the request failed. */
   [Symbol.asyncIterator](): AsyncIterator<StreamItem>;
 }
 
-/** An error code of SPEC §6, or one of the client's own: "closed", "not_connected", "policy_violation", "protocol_error". */
+/**
+ * An error code of SPEC §6, or one of the client's own: "closed", "not_connected", "policy_violation",
+ * "protocol_error", "bad_persisted" (an `error` event: restore() found a `persist` value that is not a JSON
+ * object, e.g. cut short by the storage).
+ */
 export type ErrorCode =
   | "bad_frame"
   | "unsupported_version"
@@ -123,6 +154,7 @@ export type ErrorCode =
   | "not_connected"
   | "policy_violation"
   | "protocol_error"
+  | "bad_persisted"
   | (string & {});
 
 export class TokenwireError extends Error {
@@ -134,7 +166,10 @@ export class TokenwireError extends Error {
   constructor(code: ErrorCode, message: string, details?: { id?: string; retryAfterMs?: number; done?: unknown });
 }
 
-/** Web Storage style (localStorage fits); the methods may also return promises. */
+/**
+ * Web Storage style (localStorage fits); the methods may also return promises, which may settle in any
+ * order: `persist` has one write under way at a time.
+ */
 export interface TokenStorage {
   getItem(key: string): string | null | Promise<string | null>;
   setItem(key: string, value: string): void | Promise<void>;
@@ -207,6 +242,14 @@ export interface ClientOptions {
    * so text and resume are unchanged. 100 suits mobile networks.
    */
   coalesceMs?: number;
+  /**
+   * Sent as `params.detach_timeout_ms` on every chat whose params do not name their own: how long (ms,
+   * an integer 0–3,600,000, else a TypeError/RangeError here) the server should keep a request running
+   * with nobody attached, e.g. 600000 for an app that may stay in the background for minutes. The server
+   * caps it at `welcome.limits.max_detach_timeout_ms` (600,000 by default) and never goes below its own
+   * default (30 s). Default: none (the server's default).
+   */
+  detachTimeoutMs?: number;
   /** HS256 JWT for servers with auth on, or a function returning one (called on every connect). */
   token?: string | (() => string | Promise<string>);
   /** Where the session token is kept (default: localStorage in browsers, memory elsewhere; null: nowhere). */
@@ -229,12 +272,15 @@ export interface ClientOptions {
   /** Keep the stored session token when a hello is refused as unauthorized (default false: retry once without it). */
   keepSessionOnUnauthorized?: boolean;
   /**
-   * Keep every request in flight in this storage (AsyncStorage as is, MMKV through mmkvStorage): an
-   * accepted reply as its id, last offset, epoch and the text so far (written at its accepted, then at
-   * most every 250 ms and at pause()); a chat not accepted yet as its frame (written when made), so
-   * that after the app is killed a new client with the same storage (and session token storage) can
-   * restore() them, before its first chat(). Entries go once a request has ended and was handed to the
-   * app. A storage that throws or rejects is reported as an `error` event. Default: none.
+   * Keep every request in flight in this storage (AsyncStorage as is, MMKV through mmkvStorage), in one
+   * value of at most MAX_PERSISTED_BYTES of UTF-8: an accepted reply as its id, last offset, epoch and
+   * the text so far (written at its accepted, then at most every 250 ms and at pause()); a chat not
+   * accepted yet as its frame (written when made), so that after the app is killed a new client with
+   * the same storage (and session token storage) can restore() them, before its first chat(). Nothing is
+   * written before restore() or the first chat(): pause(), close() and the rest leave an earlier run's
+   * value alone. Entries go once a request has ended and was handed to the app. A storage that throws
+   * or rejects is reported as an `error` event, as is a value restore() cannot read (code
+   * "bad_persisted"). Default: none.
    */
   persist?: TokenStorage | null;
 }
@@ -245,6 +291,7 @@ export interface WelcomeFrame {
   session: string;
   session_token: string;
   server: string;
+  /** The server's limits (SPEC §5), e.g. max_frame_bytes, and max_detach_timeout_ms: the cap of params.detach_timeout_ms. */
   limits: Record<string, number>;
   /** The models a chat may name in `params.model`, the default first (absent: not known). */
   models?: string[];
@@ -262,7 +309,7 @@ export interface StateEvent {
   /** Close code of the connection that was lost (reconnecting, closed); 4001 connect timeout, 4003 heartbeat. */
   code?: number;
   reason?: string;
-  /** Delay before the next attempt (reconnecting). */
+  /** Delay before the next attempt (reconnecting: one event per failed attempt, with its delay). */
   delay?: number;
   attempt?: number;
   welcome?: WelcomeFrame;
@@ -319,13 +366,16 @@ export class BaseClient {
   /** Attach to an existing request of this owner from `offset` (0 replays it whole). */
   resume(id: string, options?: { offset?: number; epoch?: number | null; text?: string; signal?: AbortSignal }): ChatStream;
   /**
-   * Without an id: the app is in the foreground again, or the network is back. Reconnect now, skipping
-   * the backoff, and resume every reply in flight from its last offset (an open socket is probed).
+   * Without an id: the app is in the foreground again. Reconnect now, skipping the backoff, and resume
+   * every reply in flight from its last offset (an open socket is probed). After setOnline(false) it
+   * waits in state "offline" until setOnline(true).
    */
   resume(): void;
   /**
    * The app went to the background: close the socket cleanly after `graceMs` (default 5000) and try no
-   * reconnect until resume(). Never a cancel: the server runs every request on.
+   * reconnect until resume(). Never a cancel: the server runs every request on, for its detach timeout
+   * (30 s by default; `detachTimeoutMs` asks for longer). Away longer, a reply ends "cancelled" with
+   * cancelReason "detach_timeout".
    */
   pause(options?: { graceMs?: number }): void;
   /** Whether the device has a network: offline, a lost socket waits instead of retrying; online, reconnect at once. */
@@ -406,6 +456,8 @@ export namespace frames {
   const MAX_STOP_CHARS: number;
   const MAX_MAX_TOKENS: number;
   const MAX_TOKEN_CHARS: number;
+  /** The largest params.detach_timeout_ms (3,600,000). */
+  const MAX_DETACH_TIMEOUT_MS: number;
   const ROLES: readonly Role[];
   const FINISH_REASONS: readonly FinishReason[];
   const REQUEST_STATES: readonly RequestState[];

@@ -35,6 +35,7 @@ const CODE_REPLY = ["Here is a function that reverses a string:\n\n", "```python
 // What the fake says, by the question asked (the last user message).
 const SCRIPT = {
   "Keep talking": { reply: ENDLESS, holdAt: 40 },
+  "Keep talking, then go away": { reply: ENDLESS, holdAt: 20 },
   "Reverse a string in Python": { reply: CODE_REPLY },
   "Reverse a string, slowly": { reply: CODE_REPLY, holdAt: 7 },
   "A long answer please": { reply: ENDLESS.slice(0, 30), finish: "length" },
@@ -204,6 +205,16 @@ test("Stop ends a reply that cannot finish by itself; the server is told to canc
   const stopped = await lastTurn(page);
   assert.ok(fake.received.some((f) => f.type === "cancel" && f.id === stopped.id), "a cancel frame was sent");
   assert.ok(stopped.content.length > 0 && stopped.content.length < ENDLESS.join("").length);
+  assert.deepEqual(problems, []);
+  await context.close();
+});
+
+test("a reply the server's detach timeout ended is shown as interrupted, not stopped", async () => {
+  const { context, page, problems } = await openUI(`${server.origin}/?ws=${encodeURIComponent(fake.url)}`);
+  const turn = await ask(page, "Keep talking, then go away");
+  fake.detachTimeout((await lastTurn(page)).id); // as if nobody had been attached for the detach timeout
+  await page.waitForFunction(() => [...document.querySelectorAll(".turn.assistant")].at(-1).dataset.status === "cancelled", null, { timeout: 10_000 });
+  assert.equal(await turn.locator(".note").textContent(), "interrupted (the page was away too long)");
   assert.deepEqual(problems, []);
   await context.close();
 });

@@ -8,7 +8,7 @@ import { after, test } from "node:test";
 
 import WebSocket from "ws";
 
-import { MemoryStorage, TokenwireClient, mmkvStorage, withAppState, withBrowserLifecycle, withNetInfo } from "../src/index.js";
+import { MAX_PERSISTED_BYTES, MemoryStorage, TokenwireClient, mmkvStorage, withAppState, withBrowserLifecycle, withNetInfo } from "../src/index.js";
 import { FakeServer } from "../testing/fake-server.js";
 
 const TOKENS = Array.from({ length: 30 }, (_, i) => `t${i} `);
@@ -314,5 +314,228 @@ test("text with a lone UTF-16 surrogate is refused before anything is sent", () 
   assert.throws(() => c.chat([{ role: "user", content: "ok" }, { role: "user", content: "\udc00" }]), RangeError);
   assert.throws(() => c.chat("ok", { stop: ["\ud800"] }), RangeError);
   assert.doesNotThrow(() => c.chat("a whole emoji \ud83d\ude00"));
+  c.close();
+});
+
+// ---- found by an outside probe of the client's mobile life, round 2 (probe5B) ---------------------------
+
+const inflightKey = (server) => `tokenwire:session_token:${server.url}:inflight`;
+const utf8Bytes = (s) => Buffer.byteLength(s, "utf8");
+
+test("a reply the server's detach timeout ended says so (cancelReason), unlike a Stop", async () => {
+  const server = await fake({ holdAt: () => 5 });
+  const c = client(server.url);
+  await c.connect();
+  const away = c.chat("hi", {}, { id: "dt1" });
+  const stopped = c.chat("hi", {}, { id: "dt2" });
+  await until(() => away.offset === 5 && stopped.offset === 5, "5 tokens each");
+  c.pause({ graceMs: 0 });
+  await until(() => c.state === "paused", "paused");
+  server.detachTimeout("dt1"); // nobody attached for the detach timeout: the server gives up
+  c.resume();
+  const done = await drain(away);
+  assert.equal(done.finishReason, "cancelled");
+  assert.equal(done.cancelReason, "detach_timeout");
+  assert.equal(away.cancelReason, "detach_timeout");
+  assert.equal(done.text, TOKENS.slice(0, 5).join(""));
+  c.cancel("dt2"); // the user's Stop
+  const done2 = await drain(stopped);
+  assert.equal(done2.finishReason, "cancelled");
+  assert.equal(done2.cancelReason, null);
+  assert.equal(stopped.cancelReason, null);
+  // Any other value, or one on a reply that did not end cancelled, is a plain end (SPEC §10.5).
+  const odd = c.chat("hi", {}, { id: "dt3" });
+  await until(() => odd.offset === 5, "5 tokens");
+  server.detachTimeout("dt3");
+  server.requests.get("dt3").cancelReason = "something_new";
+  assert.equal((await odd.result).cancelReason, null);
+});
+
+test("detachTimeoutMs is checked at construction and sent on every chat that does not name its own", async () => {
+  for (const bad of [1.5, "600000", NaN, true]) {
+    assert.throws(() => client("ws://127.0.0.1:9/v1/ws", { autoConnect: false, detachTimeoutMs: bad }), TypeError, String(bad));
+  }
+  for (const bad of [-1, 3600001]) {
+    assert.throws(() => client("ws://127.0.0.1:9/v1/ws", { autoConnect: false, detachTimeoutMs: bad }), RangeError, String(bad));
+  }
+  for (const ok of [0, 3600000, null, undefined]) client("ws://127.0.0.1:9/v1/ws", { autoConnect: false, detachTimeoutMs: ok }).close();
+  const server = await fake();
+  const c = client(server.url, { detachTimeoutMs: 600000 });
+  await c.connect();
+  await drain(c.chat("hi", { max_tokens: 9 }, { id: "dto1" }));
+  await drain(c.chat("hi", { detach_timeout_ms: 1000 }, { id: "dto2" }));
+  await drain(c.chat("hi", undefined, { id: "dto3" }));
+  const sent = (id) => server.received.find((f) => f.type === "chat" && f.id === id).params;
+  assert.deepEqual(sent("dto1"), { max_tokens: 9, detach_timeout_ms: 600000 });
+  assert.deepEqual(sent("dto2"), { detach_timeout_ms: 1000 });
+  assert.deepEqual(sent("dto3"), { detach_timeout_ms: 600000 });
+  assert.throws(() => c.chat("hi", { detach_timeout_ms: 3600001 }), RangeError);
+  assert.throws(() => c.chat("hi", "not params"), TypeError); // bad params are still refused, not merged
+  const plain = client(server.url);
+  await drain(plain.chat("hi", {}, { id: "dto4" }));
+  assert.equal(sent("dto4"), undefined); // without the option nothing is added
+});
+
+test("pause/resume or close/connect before restore() keep the earlier run's saved replies", async () => {
+  const server = await fake({ holdAt: () => 6 });
+  const storage = new MemoryStorage();
+  const a = client(server.url, { storage, persist: storage });
+  await a.connect();
+  const first = a.chat("hi", {}, { id: "m1" });
+  await until(() => first.offset === 6 && JSON.parse(storage.getItem(inflightKey(server)) ?? "{}").m1?.offset === 6, "offset 6 saved");
+  a.close(); // the app is killed
+  const saved = storage.getItem(inflightKey(server));
+  const b = client(server.url, { storage, persist: storage });
+  await b.connect();
+  b.pause({ graceMs: 0 }); // withAppState wired first, the app launched into the background
+  await until(() => b.state === "paused", "paused");
+  b.resume();
+  await until(() => b.state === "open", "open");
+  b.close(); // a React StrictMode double effect
+  await b.connect();
+  assert.equal(storage.getItem(inflightKey(server)), saved);
+  const restored = await b.restore();
+  assert.deepEqual(restored.map((r) => r.id), ["m1"]);
+  server.release("m1");
+  assert.equal((await drain(restored[0].stream)).text, FULL);
+  await until(() => storage.getItem(inflightKey(server)) === null, "cleared once done");
+});
+
+/** A store that refuses a value over 64 KiB of UTF-8, as some mobile stores do. */
+class CappedStorage extends MemoryStorage {
+  setItem(key, value) {
+    if (utf8Bytes(String(value)) > 65536) throw new Error(`value over 64 KiB (${utf8Bytes(String(value))} bytes)`);
+    return super.setItem(key, value);
+  }
+}
+
+test("the saved value stays within MAX_PERSISTED_BYTES of UTF-8: the longest texts go, every id stays", async () => {
+  const CJK = Array.from({ length: 40 }, () => "字".repeat(1000)); // 120 KB of UTF-8, 40 K UTF-16 units
+  const server = await fake({ reply: (f) => (f.id === "big" ? CJK : TOKENS), delayMs: 5, holdAt: (f) => (f.id === "big" ? 30 : 6) });
+  const storage = new CappedStorage();
+  const a = client(server.url, { storage, persist: storage });
+  const errors = [];
+  a.on("error", (e) => errors.push(e));
+  await a.connect();
+  const big = a.chat("long", {}, { id: "big" });
+  await until(() => big.offset === 30, "30 000 CJK characters");
+  const late = a.chat("short", {}, { id: "late" });
+  await until(() => late.offset === 6, "6 tokens");
+  await until(() => JSON.parse(storage.getItem(inflightKey(server)) ?? "{}").late?.offset === 6, "late saved at 6");
+  const value = storage.getItem(inflightKey(server));
+  assert.ok(utf8Bytes(value) <= MAX_PERSISTED_BYTES, `${utf8Bytes(value)} bytes`);
+  const entries = JSON.parse(value);
+  assert.deepEqual(entries.big, { offset: 0, epoch: null, text: "" }); // its text dropped: replayed whole
+  assert.equal(entries.late.text, TOKENS.slice(0, 6).join(""));
+  assert.deepEqual(errors, []);
+  a.close(); // the app is killed
+  server.release("big");
+  server.release("late");
+  const b = client(server.url, { storage, persist: storage });
+  const restored = Object.fromEntries((await b.restore()).map((r) => [r.id, r.stream]));
+  assert.deepEqual(Object.keys(restored).sort(), ["big", "late"]);
+  assert.equal((await drain(restored.big)).text, CJK.join(""));
+  assert.equal((await drain(restored.late)).text, FULL);
+});
+
+test("two long ASCII replies: the larger's text goes first, the other's is kept", async () => {
+  const server = await fake({ reply: (f) => Array.from({ length: 45 }, () => (f.id === "a1" ? "a" : "b").repeat(1000)), delayMs: 2, holdAt: (f) => (f.id === "a1" ? 40 : 25) });
+  const storage = new CappedStorage();
+  const c = client(server.url, { storage, persist: storage });
+  await c.connect();
+  const s1 = c.chat("x", {}, { id: "a1" });
+  const s2 = c.chat("x", {}, { id: "a2" });
+  await until(() => s1.offset === 40 && s2.offset === 25, "both held");
+  c.pause({ graceMs: 10000 }); // saves now
+  const entries = JSON.parse(storage.getItem(inflightKey(server)));
+  assert.deepEqual(entries.a1, { offset: 0, epoch: null, text: "" });
+  assert.equal(entries.a2.text, "b".repeat(25000));
+  c.resume();
+  server.release("a1");
+  server.release("a2");
+  await Promise.all([drain(s1), drain(s2)]);
+});
+
+test("a saved value that does not parse (cut short by the storage) is an error event, not a throw", async () => {
+  const server = await fake();
+  const storage = new MemoryStorage();
+  storage.setItem(inflightKey(server), '{"r9":{"offset":3,"epoch":1,"text":"t0 t1 '); // truncated
+  const c = client(server.url, { storage, persist: storage, autoConnect: false });
+  const errors = [];
+  c.on("error", (e) => errors.push(e));
+  assert.deepEqual(await c.restore(), []);
+  assert.equal(errors.length, 1);
+  assert.equal(errors[0].code, "bad_persisted");
+  assert.equal(storage.getItem(inflightKey(server)), null); // replaced by what this client holds: nothing
+  class FailingRead extends MemoryStorage {
+    getItem() {
+      throw new Error("storage unavailable");
+    }
+  }
+  const d = client(server.url, { storage: new MemoryStorage(), persist: new FailingRead(), autoConnect: false });
+  const errs = [];
+  d.on("error", (e) => errs.push(e));
+  assert.deepEqual(await d.restore(), []);
+  assert.deepEqual(errs.map((e) => e.message), ["storage unavailable"]);
+});
+
+test("a storage whose writes finish out of order: one write at a time, the last to land is the latest", async () => {
+  class SlowStorage extends MemoryStorage {
+    inFlight = 0;
+    most = 0;
+    writes = 0;
+    #later(fn, ms) {
+      this.most = Math.max(this.most, ++this.inFlight);
+      return new Promise((resolve) => setTimeout(() => (this.inFlight--, fn(), resolve()), ms));
+    }
+    setItem(k, v) {
+      this.writes += 1;
+      return this.#later(() => super.setItem(k, v), Math.max(0, 300 - 60 * this.writes)); // earlier writes are slower
+    }
+    removeItem(k) {
+      return this.#later(() => super.removeItem(k), 1);
+    }
+  }
+  const server = await fake({ delayMs: 15 });
+  const persist = new SlowStorage();
+  const c = client(server.url, { persist });
+  await c.connect();
+  const done = await drain(c.chat("hi", {}, { id: "o1" }));
+  assert.equal(done.finishReason, "stop");
+  await until(() => persist.inFlight === 0, "every write landed", 5000);
+  await new Promise((r) => setTimeout(r, 50));
+  assert.ok(persist.writes >= 2, `${persist.writes} writes`);
+  assert.equal(persist.most, 1, "never two writes at once");
+  assert.equal(persist.getItem(inflightKey(server)), null, "the finished reply is not left behind");
+});
+
+test("resume() after setOnline(false) and pause() waits offline instead of spinning the backoff", async () => {
+  const server = await fake();
+  const c = client(server.url, { backoff: { initialMs: 5, maxMs: 5 } });
+  await c.connect();
+  c.setOnline(false);
+  server.dropAll();
+  await until(() => c.state === "offline", "offline");
+  c.pause({ graceMs: 0 });
+  await until(() => c.state === "paused", "paused");
+  c.resume(); // foreground again; no network event came
+  assert.equal(c.state, "offline");
+  await new Promise((r) => setTimeout(r, 300));
+  assert.equal(server.connections, 1, "no attempts while still offline");
+  c.setOnline(true);
+  await until(() => c.state === "open", "open again");
+  assert.equal(server.connections, 2);
+});
+
+test("each failed reconnect says reconnecting once, with its delay", async () => {
+  const server = await fake();
+  const c = client(server.url, { backoff: { initialMs: 20, maxMs: 40 } });
+  await c.connect();
+  const events = [];
+  c.on("reconnecting", (ev) => events.push(ev));
+  await server.close(); // every later attempt is refused
+  await until(() => events.length >= 4, "4 failed attempts");
+  assert.ok(events.every((ev) => Number.isInteger(ev.delay)), JSON.stringify(events.map((e) => e.delay)));
+  assert.deepEqual(events.map((e) => e.attempt), events.map((_, i) => i + 1));
   c.close();
 });

@@ -115,6 +115,7 @@ test("Stop after a reconnect ends the reply as stopped", async () => {
   a.chat.stop();
   await sent;
   assert.equal(a.reply().finish, "cancelled");
+  assert.equal(a.reply().cancelReason, null); // the user's Stop: shown as stopped
 });
 
 test("killed mid-reply and relaunched: the reply is shown at once and completed", async () => {
@@ -135,4 +136,23 @@ test("killed mid-reply and relaunched: the reply is shown at once and completed"
   await until(() => b.reply()?.finish === "stop", "completed");
   assert.equal(b.reply().text, TOKENS.join(""));
   await until(() => ![...storage.items.keys()].some((k) => k.endsWith(":inflight")), "cleared");
+});
+
+test("away longer than the server's detach timeout: the reply ends interrupted, not stopped", async () => {
+  const server = await new FakeServer({ reply: () => TOKENS, delayMs: 10, holdAt: () => 5 }).start();
+  servers.push(server);
+  const a = app(server, new FakeAsyncStorage());
+  await a.chat.start();
+  const sent = a.chat.send("hello");
+  await until(() => a.reply()?.text === TOKENS.slice(0, 5).join(""), "5 tokens shown");
+  const chat = server.received.find((f) => f.type === "chat");
+  assert.equal(chat.params.detach_timeout_ms, 600000); // the example asks for 10 minutes
+  a.AppState.set("background");
+  await until(() => a.chat.client.state === "paused", "paused");
+  server.detachTimeout(chat.id); // nobody attached for the detach timeout
+  a.AppState.set("active");
+  await sent;
+  assert.equal(a.reply().finish, "cancelled");
+  assert.equal(a.reply().cancelReason, "detach_timeout");
+  assert.equal(a.reply().text, TOKENS.slice(0, 5).join(""));
 });

@@ -51,6 +51,13 @@ export class FakeServer {
     this.#req(id).hold = null;
   }
 
+  /** End request `id` as the detach timeout does (nobody attached for it): done cancelled, cancel_reason. */
+  detachTimeout(id) {
+    const r = this.#req(id);
+    if (r.cancelled == null) r.cancelled = r.sent;
+    r.cancelReason = "detach_timeout";
+  }
+
   /** The log of `id` is lost and regenerated: a new epoch with other text. */
   restartLog(id, texts) {
     const r = this.#req(id);
@@ -142,7 +149,8 @@ export class FakeServer {
       r.sent = Math.max(r.sent, i);
     }
     const reason = r.cancelled != null ? "cancelled" : (r.finish ?? "stop");
-    send({ type: "done", id, finish_reason: reason, offset: i, usage: { prompt_tokens: 3, completion_tokens: i } });
+    const why = reason === "cancelled" && r.cancelReason ? { cancel_reason: r.cancelReason } : {};
+    send({ type: "done", id, finish_reason: reason, offset: i, usage: { prompt_tokens: 3, completion_tokens: i }, ...why });
   }
 
   async close() {

@@ -508,7 +508,9 @@ async function stream(turn, chatStream, { resumed = false } = {}) {
     const result = await chatStream.result;
     turn.status = result.finishReason === "cancelled" ? "cancelled" : "done";
     turn.finish = result.finishReason;
-    if (result.finishReason === "cancelled") turn.note = "stopped";
+    // Cancelled by the server's detach timeout (nobody attached for it: the page was asleep or offline
+    // too long) is not the user's Stop, and says so.
+    if (result.finishReason === "cancelled") turn.note = result.cancelReason === "detach_timeout" ? "interrupted (the page was away too long)" : "stopped";
     else if (result.finishReason === "length") {
       const n = result.offset ?? result.usage?.completion_tokens;
       turn.note = `The reply hit the max tokens limit${n ? ` (${n} tokens)` : ""} and was cut off. Raise Max tokens in Settings for longer replies.`;

@@ -13,6 +13,14 @@ import { createChatController } from "./chat-controller";
 // The server's WebSocket endpoint: app.json's extra.tokenwireUrl (see README.md).
 const URL = Constants.expoConfig?.extra?.tokenwireUrl ?? "ws://10.0.2.2:8765/v1/ws";
 
+/** What a finished reply's bubble says after its text ("" when it simply ended). */
+function endNote(item) {
+  if (item.finish === "cancelled") {
+    return item.cancelReason === "detach_timeout" ? " [interrupted: the app was away too long]" : " [stopped]";
+  }
+  return item.finish === "error" ? ` [${item.error}]` : "";
+}
+
 export default function App() {
   const [view, setView] = useState({ state: "connecting", messages: [], streaming: null });
   const [draft, setDraft] = useState("");
@@ -42,7 +50,7 @@ export default function App() {
         renderItem={({ item }) => (
           <Text style={{ marginVertical: 6, alignSelf: item.role === "user" ? "flex-end" : "flex-start" }}>
             {item.text}
-            {item.finish === "cancelled" ? " [stopped]" : item.finish === "error" ? ` [${item.error}]` : ""}
+            {endNote(item)}
           </Text>
         )}
       />

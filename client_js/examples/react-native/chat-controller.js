@@ -13,9 +13,12 @@ export function createChatController({ tokenwire, url, AppState, NetInfo, AsyncS
     storage: AsyncStorage,
     persist: AsyncStorage,
     coalesceMs: 100, // fewer frames for the radio; offsets and text are unchanged
+    // A phone is often away for minutes: ask the server to keep a reply running that long with nobody
+    // attached (it caps this at welcome.limits.max_detach_timeout_ms; its default is 30 s).
+    detachTimeoutMs: 10 * 60 * 1000,
     ...(WebSocket ? { WebSocket } : {}),
   });
-  const messages = []; // {role, text, id?, finish?}
+  const messages = []; // {role, text, id?, finish?, cancelReason?, error?}
   let streaming = null; // the id of the reply streaming now
   const render = () => onChange({ state: client.state, messages: messages.map((m) => ({ ...m })), streaming });
   const offState = client.on("state", render);
@@ -32,6 +35,8 @@ export function createChatController({ tokenwire, url, AppState, NetInfo, AsyncS
       }
       bubble.text = stream.text;
       bubble.finish = stream.finishReason; // stop, length, cancelled
+      // "detach_timeout": the server gave up while the app was away, not the user's Stop.
+      bubble.cancelReason = stream.cancelReason;
     } catch (err) {
       bubble.finish = "error";
       bubble.error = String(err?.message ?? err);

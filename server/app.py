@@ -20,6 +20,7 @@ import structlog
 from redis.asyncio.cluster import RedisCluster
 
 from server.aio import cancel_and_wait, in_daemon_thread
+from server.cluster import SECOND_SIGNAL_ENV
 from server.gateway.server import WS_PATH, BindFailed, Gateway, GatewaySettings
 from server.gctune import tune_for_long_lived_objects
 from server.store.keys import CLUSTER_PARTITIONS, Keys
@@ -94,12 +95,15 @@ _embedded: list[Any] = []
 def _stop_on_signals(stop: asyncio.Event) -> None:
     """The first SIGINT or SIGTERM stops gracefully (drain, 1012 to clients); a second one, while that
     runs, exits at once: what was running is handed back when the worker's lease lapses, or resumed
-    from the store after a restart."""
+    from the store after a restart. Not in a child of `tokenwire cluster`: a terminal's Ctrl-C reaches
+    it and the cluster, whose SIGTERM then follows; the cluster kills its children on a second signal."""
     loop = asyncio.get_running_loop()
+
+    parent_decides = os.environ.get(SECOND_SIGNAL_ENV) == "parent"  # a child of `tokenwire cluster`
 
     def on_signal(sig: int) -> None:
         global stopped_by
-        if stop.is_set():
+        if stop.is_set() and not parent_decides:
             log.warning("stop.forced", signal=signal.Signals(sig).name)
             for valkey in _embedded:
                 with contextlib.suppress(Exception):
@@ -151,7 +155,8 @@ async def open_store(cfg: ServeConfig, *, embedded_ok: bool) -> AsyncIterator[St
         except (aioredis.RedisError, OSError, TimeoutError) as exc:
             where = "the embedded Valkey" if valkey is not None else f"Redis at {_redacted(url)}"
             raise StartupError(
-                f"cannot reach {where}: {exc or type(exc).__name__}. Start it, or pass the right --redis-url"
+                f"cannot reach {where}: {str(exc) or type(exc).__name__}. "
+                "Start it, or pass the right --redis-url"
             ) from None
         keys = Keys(cfg.key_prefix)
         if cluster:
@@ -361,12 +366,13 @@ async def start_worker(cfg: ServeConfig, h: StoreHandles, index: int = 0) -> Any
 async def start_workers(cfg: ServeConfig, h: StoreHandles, workers: list[Any] | None = None) -> list[Any]:
     """A worker per model, loaded one after another (the default model first), appended to ``workers``
     (a new list if None) as each starts, so the caller sees them before all have. If one fails to start,
-    those already started are stopped."""
+    those already started are stopped. Cancelled (a stop while a later model loads), those already
+    started stay in ``workers``, running, for the caller to drain: they may be serving already."""
     workers = [] if workers is None else workers
     try:
         for i in range(len(model_specs(cfg))):
             workers.append(await start_worker(cfg, h, i))
-    except BaseException:
+    except Exception:
         for w in workers:
             with contextlib.suppress(Exception):
                 await w.stop()
@@ -404,9 +410,10 @@ async def serve(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
         finally:
             log.info("serve.stopping")
             stop_task.cancel()
-            worker_task.cancel()
+            await cancel_and_wait([worker_task])  # a load under way is left to its thread
             await gateway.stop()  # clients get 1012 and will resume
-            await asyncio.gather(*(w.drain(cfg.drain_timeout_s) for w in workers))
+            # Every worker started, also those of a load cut short (``started``: the same objects).
+            await asyncio.gather(*(w.drain(cfg.drain_timeout_s) for w in started))
 
 
 async def run_gateway(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> None:
@@ -442,19 +449,20 @@ async def run_worker(cfg: ServeConfig, *, stop: asyncio.Event | None = None) -> 
                 probes = serve_probes(cfg.metrics_port, cfg.gateway.host)
             except OSError as exc:
                 raise bind_error(cfg.gateway.host, cfg.metrics_port, exc, "--metrics-port") from None
-        loading = asyncio.create_task(start_workers(cfg, h))
+        workers: list[Any] = []
+        loading = asyncio.create_task(start_workers(cfg, h, workers))
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not loading.done():  # stopped while the model loads: nothing to drain, nothing to wait for
-            await cancel_and_wait([loading, stopping])  # the probes' daemon thread ends with the process
-            log.info("worker.stopped", handed_back=0)
-            return
-        stopping.cancel()
-        workers = loading.result()
-        if probes is not None:
-            probes.workers = workers
         try:
-            await stop.wait()
+            if loading.done():
+                stopping.cancel()
+                loading.result()  # a failed start raises here
+                if probes is not None:
+                    probes.workers = workers  # ready once every model is
+                await stop.wait()
         finally:
+            # Stopped while a model loads: the load is left to its thread (nothing waits for it), and
+            # the models already started, if any, drain as always.
+            await cancel_and_wait([loading, stopping])
             handed = await asyncio.gather(*(w.drain(cfg.drain_timeout_s) for w in workers))
             log.info("worker.stopped", handed_back=sum(handed))

@@ -54,10 +54,13 @@ def count(value: str) -> int:
     return n
 
 
+MIN_SECONDS = 0.001  # the store counts in ms: a shorter duration that must pass would be 0 there
+
+
 def _seconds(value: str, *, zero_ok: bool) -> float:
     s = _number(value, "seconds")
-    if not (0 <= s <= MAX_SECONDS) or (s == 0 and not zero_ok):
-        least = "0" if zero_ok else "more than 0"
+    if not (0 <= s <= MAX_SECONDS) or (s < MIN_SECONDS and not zero_ok):
+        least = "0" if zero_ok else f"at least {MIN_SECONDS:g}"
         raise argparse.ArgumentTypeError(
             f"expected {least} and at most {MAX_SECONDS:.0e} seconds, got {value}"
         )
@@ -65,7 +68,7 @@ def _seconds(value: str, *, zero_ok: bool) -> float:
 
 
 def positive_seconds(value: str) -> float:
-    """A duration that must pass (a timeout, a TTL, a lease, a run): more than 0 seconds."""
+    """A duration that must pass (a timeout, a TTL, a lease, a run): at least a millisecond."""
     return _seconds(value, zero_ok=False)
 
 

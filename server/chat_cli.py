@@ -422,7 +422,7 @@ async def run_chat(
         return 1
     except (OSError, WebSocketException, TimeoutError) as exc:
         print(
-            f"tokenwire chat: cannot connect to {url}: {exc or type(exc).__name__}. Is a server "
+            f"tokenwire chat: cannot connect to {url}: {str(exc) or type(exc).__name__}. Is a server "
             f"running there (`make run`)?",
             file=sys.stderr,
         )

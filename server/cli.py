@@ -403,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
             type=argtypes.positive_seconds,
             default=600.0,
             help="the longest a chat's params.detach_timeout_ms may ask to keep it running with nobody "
-            "attached (an app in the background), seconds (default 600; welcome.limits)",
+            "attached (an app in the background), seconds (default 600; welcome.limits); such requests "
+            "hold their place that long, so bound them with --max-inflight-per-user on a public server",
         )
         p.add_argument(
             "--max-queued",

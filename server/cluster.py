@@ -18,6 +18,9 @@ from typing import IO
 
 from server.logs import resolve_format
 
+# Set to "parent" in a child's environment: a second SIGINT/SIGTERM does not force that child out
+# (app._stop_on_signals); the cluster that started it decides that.
+SECOND_SIGNAL_ENV = "TOKENWIRE_SECOND_SIGNAL"
 STOP_GRACE_S = 20.0  # past the workers' drain: for their hand-back, the gateways' 1012s and exits
 
 
@@ -31,7 +34,12 @@ def _spawn(name: str, args: list[str], redis_url: str, log_format: str) -> subpr
     # local users can read in ps. stdout is read for the "listening"/"ready" lines. stderr (the logs):
     # readable lines are relayed with the child's name in front, as its stdout lines are; JSON lines go
     # straight to ours, each naming its process (a prefix would make them invalid JSON).
-    env = {**os.environ, "TOKENWIRE_REDIS_URL": redis_url, "TOKENWIRE_LOG_PROCESS": name}
+    env = {
+        **os.environ,
+        "TOKENWIRE_REDIS_URL": redis_url,
+        "TOKENWIRE_LOG_PROCESS": name,
+        SECOND_SIGNAL_ENV: "parent",
+    }
     stderr = subprocess.PIPE if log_format == "console" else None
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1, env=env)
 
@@ -122,11 +130,14 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, _frame: object) -> None:
         if stopping.is_set():
-            # A second signal while the children drain: passed on, so each exits at once (app.py).
+            # A second signal while the children drain: stop them at once. They leave that to us
+            # (SECOND_SIGNAL_ENV): a terminal's Ctrl-C reaches them as well as us, and our own SIGTERM
+            # after it would otherwise count as their second.
+            print("tokenwire cluster: stopping at once", file=sys.stderr, flush=True)
             for p in procs.values():
                 if p.poll() is None:
                     with contextlib.suppress(OSError):
-                        p.send_signal(signum)
+                        p.kill()
         signals.append(signum)
         stopping.set()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 
+from protocol import frames
 from server.gateway.admission import Admission
 from server.gateway.degradation import Degradation
 from server.gateway.models import ModelRegistry
@@ -53,7 +54,11 @@ class GatewayCore:
             "max_tokens": st.max_tokens,
             "max_streams": st.max_streams_per_connection,
             "max_waiting_turns": st.max_waiting_turns_per_session,
-            "max_detach_timeout_ms": max(st.max_detach_timeout_ms, self.store.settings.detach_timeout_ms),
+            # What params.detach_timeout_ms may usefully ask: within the protocol's bound (SPEC 4.2).
+            "max_detach_timeout_ms": min(
+                frames.MAX_DETACH_TIMEOUT_MS,
+                max(st.max_detach_timeout_ms, self.store.settings.detach_timeout_ms),
+            ),
         }
 
     def start(self) -> None:

@@ -338,7 +338,7 @@ class Conversation:
                     return
                 except (OSError, WebSocketException, TimeoutError) as exc:
                     failures += 1
-                    self.state.connect_error = f"{exc or type(exc).__name__}"
+                    self.state.connect_error = str(exc) or type(exc).__name__
                     if failures > MAX_CONNECT_FAILURES:
                         rec.error_code = "connect_failed"
                         return

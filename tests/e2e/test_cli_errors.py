@@ -102,9 +102,14 @@ CASES = [
         "a timeout of no time",
         ["serve", "--detach-timeout", "-1"],
         2,
-        "argument --detach-timeout: expected more than 0 and at most 1e+09 seconds, got -1",
+        "argument --detach-timeout: expected at least 0.001 and at most 1e+09 seconds, got -1",
     ),
-    Case("a lease of zero", ["worker", "--lease-ttl", "0"], 2, "argument --lease-ttl: expected more than 0"),
+    Case(
+        "a lease of no ms",
+        ["worker", "--lease-ttl", "0.0004"],
+        2,
+        "argument --lease-ttl: expected at least 0.001",
+    ),
     Case(
         "a retention of NaN",
         ["gateway", "--retention", "nan"],

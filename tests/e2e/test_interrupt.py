@@ -126,6 +126,9 @@ async def test_ctrl_c_on_cluster_mid_reply_exits_130_and_the_reply_resumes(
             os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
     _clean(log1.read_text())
+    # The terminal's SIGINT reached the children as well, and the cluster's SIGTERM followed it: that is
+    # one stop for them, a drain, not a second signal that forces them out.
+    assert "stop.forced" not in log1.read_text()
 
     proc, url = await start(log2)
     try:

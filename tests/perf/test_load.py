@@ -234,7 +234,7 @@ async def test_engine_only_runs_the_same_workload_as_the_server(
         (["ws://127.0.0.1:1/v1/ws", "--threads", "1"], "go with --engine-only"),
         (["http://127.0.0.1:1/v1", "--api", "openai-ws", "--drop-rate", "0.5"], "no --idle, --drop-rate"),
         (["ws://127.0.0.1:1/v1/ws", "--requests", "0"], "--requests: expected at least 1"),
-        (["ws://127.0.0.1:1/v1/ws", "--duration", "0"], "--duration: expected more than 0 and at most"),
+        (["ws://127.0.0.1:1/v1/ws", "--duration", "0"], "--duration: expected at least 0.001 and at most"),
     ],
 )
 def test_engine_only_flags_are_checked(args: list[str], message: str) -> None:

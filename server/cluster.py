@@ -133,7 +133,8 @@ def run_cluster(args: argparse.Namespace) -> int:
             # A second signal while the children drain: stop them at once. They leave that to us
             # (SECOND_SIGNAL_ENV): a terminal's Ctrl-C reaches them as well as us, and our own SIGTERM
             # after it would otherwise count as their second.
-            print("tokenwire cluster: stopping at once", file=sys.stderr, flush=True)
+            with contextlib.suppress(RuntimeError):  # a handler may interrupt our own print: reentrant
+                print("tokenwire cluster: stopping at once", file=sys.stderr, flush=True)
             for p in procs.values():
                 if p.poll() is None:
                     with contextlib.suppress(OSError):

@@ -192,3 +192,34 @@ async def test_a_second_ctrl_c_during_the_drain_exits_at_once(peaky_model_dir: P
         await _resume_rest(url, token, offset, seen)
     finally:
         assert second.stop() == 0
+
+
+async def test_a_second_ctrl_c_on_cluster_stops_it_at_once(peaky_model_dir: Path, tmp_path: Path) -> None:
+    """The first Ctrl-C drains (a minute allowed here); a second one kills the children and the cluster
+    exits 130 at once, the embedded Valkey stopped last."""
+    data, log = tmp_path / "cluster-data", tmp_path / "cluster.stderr"
+    port = _free_consecutive_ports(1)
+    with log.open("a") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "server.cli", "cluster", "--gateways", "1", "--workers", "1",
+            "--port", str(port), "--data-dir", str(data), "--model", str(peaky_model_dir),
+            "--drain-timeout", "60",
+            stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True, env=NO_STORE_URL,
+        )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        await _until_ready(proc.stdout)
+        await _read_some(f"ws://127.0.0.1:{port}/v1/ws")
+        valkey = _valkey_pid(data)
+        os.killpg(proc.pid, signal.SIGINT)
+        await asyncio.sleep(0.1)  # the reply is far from done: the workers are still draining
+        os.killpg(proc.pid, signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 30) == 130
+        assert not _alive(valkey)
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    text = log.read_text()
+    _clean(text)
+    assert "tokenwire cluster: stopping at once" in text

@@ -49,5 +49,18 @@ async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
             loop.call_soon_threadsafe(settle, *outcome)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    t = threading.Thread(target=run, name=name, daemon=True)
+    _daemon_threads.add(t)
+    t.start()
     return await fut
+
+
+# in_daemon_thread's threads. One still running at exit (a load cut short) is in C++ code the runtime's
+# exit handlers would destroy under it: "terminate called without an active exception", SIGABRT. So a
+# process that leaves one behind ends with os._exit once its own cleanup is done (cli._run).
+_daemon_threads: set[threading.Thread] = set()
+
+
+def left_running() -> bool:
+    """Whether a thread of in_daemon_thread is still running (its awaiting task was cancelled)."""
+    return any(t.is_alive() for t in _daemon_threads)

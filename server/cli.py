@@ -222,6 +222,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
 
 def _run(args: argparse.Namespace, main: Callable[[ServeConfig], Coroutine[Any, Any, None]]) -> int:
     from server import app
+    from server.aio import left_running
     from server.app import StartupError
     from server.logs import configure
 
@@ -241,7 +242,14 @@ def _run(args: argparse.Namespace, main: Callable[[ServeConfig], Coroutine[Any, 
         # Something the user can fix (a port in use, Redis unreachable, no model): one line, no traceback.
         print(f"tokenwire {args.command}: {exc}", file=sys.stderr, flush=True)
         return 2
-    return 130 if app.stopped_by == signal.SIGINT else 0
+    rc = 130 if app.stopped_by == signal.SIGINT else 0
+    if left_running():
+        # Stopped while a model loaded: everything of ours is closed, but the load's thread is still in
+        # torch, and the interpreter's exit would abort under it (aio.left_running).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 def _serve(args: argparse.Namespace) -> int:

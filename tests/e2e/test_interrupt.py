@@ -14,7 +14,7 @@ import pytest
 
 from protocol import Chat, Delta, Done, Message, Params, Resume
 from server.client import Client, collect
-from tests.e2e.serve_process import ServeProcess
+from tests.e2e.serve_process import LISTEN, ServeProcess
 from tests.e2e.test_cluster_command import _alive, _free_consecutive_ports, _until_ready
 
 MESSAGES = (Message("user", "Tell me a long story about tokens"),)
@@ -141,27 +141,84 @@ async def test_ctrl_c_on_cluster_mid_reply_exits_130_and_the_reply_resumes(
             await proc.wait()
 
 
-async def test_a_stop_while_the_model_loads_does_not_wait_for_the_load(tmp_path: Path) -> None:
-    """SIGTERM before the model is loaded: the process exits at once, not once the load is done (the
-    load's thread was joined at exit: 15 s and more for a first start that converts the GGUF)."""
+async def _serve_until(
+    args: list[str], tmp_path: Path, env: dict[str, str], prefix: str
+) -> tuple[asyncio.subprocess.Process, list[str], Path]:
+    """``tokenwire serve`` on a free port in its own session, read up to the stdout line starting with
+    ``prefix``: (process, lines so far, its stderr's file)."""
+    err_path = tmp_path / "serve.stderr"
+    with err_path.open("w") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "server.cli", "serve", "--port", "0", "--data-dir", str(tmp_path / "data"),
+            *args, stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True, env=env,
+        )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    while not lines or not lines[-1].startswith(prefix):
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        assert line, f"serve exited early: {lines} {err_path.read_text()[-2000:]}"
+        lines.append(line)
+    return proc, lines, err_path
+
+
+def _packaged_model_or_skip() -> Path:
     from server.engine.model import ModelNotFound, default_model_dir
 
     try:
-        default_model_dir()
+        return default_model_dir()
     except ModelNotFound as exc:
         pytest.skip(str(exc))
-    # An empty cache: the packaged model's first load converts its GGUF, seconds of work to cut short.
-    env = {**NO_STORE_URL, "TOKENWIRE_CACHE": str(tmp_path / "cache")}
-    p = ServeProcess([], tmp_path / "data", env=env, new_session=True)
-    p.start()
+
+
+def _converted(cache: Path) -> list[Path]:
+    """The packaged model's conversions finished in ``cache`` (written to a temporary folder first)."""
+    return list(cache.glob("*/model.safetensors"))
+
+
+async def test_a_stop_while_the_model_loads_does_not_wait_for_the_load(tmp_path: Path) -> None:
+    """SIGTERM before the model is loaded: the process exits at once, not once the load is done (the
+    load's thread was joined at exit: 15 s and more for a first start that converts the GGUF). The
+    proof: the conversion it was in the middle of never finished."""
+    _packaged_model_or_skip()
+    cache = tmp_path / "cache"  # empty: the packaged model's first load converts its GGUF, seconds of work
+    env = {**NO_STORE_URL, "TOKENWIRE_CACHE": str(cache)}
+    proc, _, err = await _serve_until([], tmp_path, env, "tokenwire listening")
     try:
-        assert p.proc is not None and p.proc.stdout is not None
-        p.proc.send_signal(signal.SIGTERM)
-        assert await asyncio.to_thread(p.proc.wait, 120) == 0
-        assert "tokenwire ready" not in p.proc.stdout.read()  # it did not finish the load first
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        assert proc.stdout is not None
+        assert "tokenwire ready" not in (await proc.stdout.read()).decode()
+        assert not _converted(cache)  # it exited before the load it was in could finish
     finally:
-        p.stop()
-    _clean(p.stderr_path.read_text())
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    _clean(err.read_text())
+
+
+async def test_a_stop_while_a_second_model_loads_drains_the_first(
+    peaky_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two models: the first serves while the second loads. A SIGTERM then drains the first's worker
+    (its running reply is handed back: the drain timeout is short) and does not wait for the second."""
+    packaged = _packaged_model_or_skip()
+    cache = tmp_path / "cache"
+    env = {**NO_STORE_URL, "TOKENWIRE_CACHE": str(cache)}
+    args = ["--model", f"a={peaky_model_dir}", "--model", f"b={packaged}", "--drain-timeout", "0.2"]
+    proc, lines, err = await _serve_until(args, tmp_path, env, "tokenwire ready: model a")
+    try:
+        url = next(m.group(1) for line in lines if (m := LISTEN.search(line)))
+        await _read_some(url)  # model a's reply runs on; model b is still converting
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        assert not _converted(cache)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = err.read_text()
+    _clean(text)
+    assert "worker.handed_back" in text  # model a's worker drained, instead of being stopped cold
 
 
 async def test_a_second_ctrl_c_during_the_drain_exits_at_once(peaky_model_dir: Path, tmp_path: Path) -> None:

@@ -30,8 +30,6 @@ MAX_COALESCE_MS = 1000  # hello.coalesce_ms: at most one delta per stream a seco
 # params.detach_timeout_ms: how long a request may run with nobody attached, asked by a client whose app
 # may be away for minutes (a phone in the background); the server lowers it to its own cap (SPEC 4.2).
 MAX_DETACH_TIMEOUT_MS = 3_600_000
-# done.cancel_reason: the detach timeout ended the request, not a cancel (SPEC 10.5).
-CANCEL_REASON_DETACH = "detach_timeout"
 MAX_TOKEN_CHARS = 4096
 ROLES = ("system", "user", "assistant")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -563,7 +561,8 @@ class Done:
     finish_reason: str
     offset: int
     usage: Usage
-    # With finish_reason cancelled: why, when it was not a cancel (CANCEL_REASON_DETACH); else None.
+    # With finish_reason cancelled: why, when it was not a cancel ("detach_timeout", written by the
+    # store's detach.lua and start.lua, SPEC 10.5); else None.
     cancel_reason: str | None = None
     type: Literal["done"] = "done"
 

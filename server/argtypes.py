@@ -1,6 +1,6 @@
-"""argparse types for the command line's numbers. Each names the range it wants, so a bad value is one
-line that says what to write (argparse puts the flag's name in front of it) instead of a traceback, or a
-server that starts and then cancels every chat (``--detach-timeout -1`` did)."""
+"""argparse types for the command line's numbers and Redis URLs. Each names what it wants, so a bad value
+is one line that says what to write (argparse puts the flag's name in front of it) instead of a
+traceback, or a server that starts and then cancels every chat (``--detach-timeout -1`` did)."""
 
 from __future__ import annotations
 
@@ -100,3 +100,32 @@ def max_tokens(value: str) -> int:
     if n > MAX_MAX_TOKENS:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_MAX_TOKENS}, got {n}")
     return n
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why ``url`` is not a Redis URL this server can use, or None: checked before anything starts, so a
+    typo is one line, not a redis-py traceback (and not a silent connection to localhost's database 0)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError as exc:
+        return f"{url!r} is not a URL ({exc})"
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        return f"{url!r}: expected redis://host[:port][/db], rediss:// (TLS) or unix://path"
+    if parts.scheme == "unix":
+        return None if parts.path else f"{url!r}: a unix:// URL needs the socket's path"
+    if not parts.hostname:
+        return f"{url!r}: no host (write redis://127.0.0.1:6379/0, say)"
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        return f"{url!r}: the database after the host must be a number, got {db!r}"
+    return None
+
+
+def redis_url(value: str) -> str:
+    problem = redis_url_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value

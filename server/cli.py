@@ -73,35 +73,6 @@ def _key_prefix(value: str) -> str:
     return value
 
 
-def redis_url_problem(url: str) -> str | None:
-    """Why ``url`` is not a Redis URL this server can use, or None: checked before anything starts, so a
-    typo is one line, not a redis-py traceback (and not a silent connection to localhost's database 0)."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises on a port that is not a number)
-    except ValueError as exc:
-        return f"{url!r} is not a URL ({exc})"
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        return f"{url!r}: expected redis://host[:port][/db], rediss:// (TLS) or unix://path"
-    if parts.scheme == "unix":
-        return None if parts.path else f"{url!r}: a unix:// URL needs the socket's path"
-    if not parts.hostname:
-        return f"{url!r}: no host (write redis://127.0.0.1:6379/0, say)"
-    db = parts.path.strip("/")
-    if db and not db.isdigit():
-        return f"{url!r}: the database after the host must be a number, got {db!r}"
-    return None
-
-
-def _redis_url(value: str) -> str:
-    problem = redis_url_problem(value)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return value
-
-
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -233,7 +204,7 @@ def _run(args: argparse.Namespace, main: Callable[[ServeConfig], Coroutine[Any, 
         print(warning, file=sys.stderr, flush=True)
     try:
         cfg = _config(args)
-        if cfg.redis_url is not None and (problem := redis_url_problem(cfg.redis_url)) is not None:
+        if cfg.redis_url is not None and (problem := argtypes.redis_url_problem(cfg.redis_url)) is not None:
             raise StartupError(f"$TOKENWIRE_REDIS_URL: {problem}")
         asyncio.run(main(cfg))
     except KeyboardInterrupt:
@@ -342,32 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tokenwire {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def log_format(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--log-format",
-            choices=FORMATS,
-            help="stderr's logs: console (readable lines), json (JSON lines) or auto: console on a "
-            "terminal, json otherwise (default: $TOKENWIRE_LOG_FORMAT, else auto; server/logs.py)",
-        )
-
-    def common(p: argparse.ArgumentParser, *, redis_required: bool) -> None:
-        p.add_argument(
-            "--redis-url",
-            required=False,
-            type=_redis_url,
-            help="Redis/Valkey URL (or $TOKENWIRE_REDIS_URL)"
-            + ("; required" if redis_required else "; default: start an embedded Valkey"),
-        )
-        p.add_argument(
-            "--key-prefix", type=_key_prefix, default="tw:", help="prefix of every Redis key (default tw:)"
-        )
+    def store_flags(p: argparse.ArgumentParser) -> None:
+        """How long the store keeps what (every process of a cluster passes them on alike)."""
         p.add_argument(
             "--lease-ttl",
             type=argtypes.positive_seconds,
             default=10.0,
             help="worker lease, seconds (default 10)",
         )
-        p.add_argument("--name", help="this process's id in the store (default host-pid)")
         p.add_argument(
             "--retention",
             type=argtypes.positive_seconds,
@@ -392,8 +345,30 @@ def build_parser() -> argparse.ArgumentParser:
             default=1 << 20,
             help="and at most this many bytes (the newest turn always stays; default 1 MiB)",
         )
+
+    def logging_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument("--log-level", type=_log_level, default="info", help="debug, info, warning or error")
-        log_format(p)
+        p.add_argument(
+            "--log-format",
+            choices=FORMATS,
+            help="stderr's logs: console (readable lines), json (JSON lines) or auto: console on a "
+            "terminal, json otherwise (default: $TOKENWIRE_LOG_FORMAT, else auto; server/logs.py)",
+        )
+
+    def common(p: argparse.ArgumentParser, *, redis_required: bool) -> None:
+        p.add_argument(
+            "--redis-url",
+            required=False,
+            type=argtypes.redis_url,
+            help="Redis/Valkey URL (or $TOKENWIRE_REDIS_URL)"
+            + ("; required" if redis_required else "; default: start an embedded Valkey"),
+        )
+        p.add_argument(
+            "--key-prefix", type=_key_prefix, default="tw:", help="prefix of every Redis key (default tw:)"
+        )
+        p.add_argument("--name", help="this process's id in the store (default host-pid)")
+        store_flags(p)
+        logging_flags(p)
 
     def sockets(p: argparse.ArgumentParser) -> None:
         p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -644,7 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--workers", type=argtypes.at_least_one, default=2, help="worker processes")
     k.add_argument("--host", default="127.0.0.1", help="address the gateways listen on")
     k.add_argument("--port", type=argtypes.port, default=8765, help="first gateway's port; the others follow")
-    k.add_argument("--redis-url", type=_redis_url, help="shared Redis (default: start an embedded Valkey)")
+    k.add_argument(
+        "--redis-url", type=argtypes.redis_url, help="shared Redis (default: start an embedded Valkey)"
+    )
     k.add_argument(
         "--redis-shards",
         type=int,
@@ -694,33 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin worker i to CPU i (round robin over this process's CPUs), as taskset would: each "
         "worker then uses one core whatever its threads; gateways and Redis are left unpinned",
     )
-    k.add_argument("--lease-ttl", type=argtypes.positive_seconds, default=10.0, help="worker lease, seconds")
-    k.add_argument(
-        "--retention",
-        type=argtypes.positive_seconds,
-        default=24 * 3600.0,
-        help="finished requests kept, seconds",
-    )
-    k.add_argument(
-        "--session-ttl",
-        type=argtypes.positive_seconds,
-        default=24 * 3600.0,
-        help="idle sessions kept, seconds",
-    )
-    k.add_argument(
-        "--history-max-messages",
-        type=argtypes.at_least_one,
-        default=64,
-        help="messages a session's history keeps",
-    )
-    k.add_argument(
-        "--history-max-bytes",
-        type=argtypes.at_least_one,
-        default=1 << 20,
-        help="bytes a session's history keeps",
-    )
-    k.add_argument("--log-level", type=_log_level, default="info", help="debug, info, warning or error")
-    log_format(k)
+    store_flags(k)
+    logging_flags(k)
     k.set_defaults(func=_cluster)
 
     c = sub.add_parser("chat", help="chat in the terminal with a running server", formatter_class=_Help)

@@ -54,7 +54,7 @@ def _relay(name: str, lines: IO[str], out: IO[str], ready: threading.Event | Non
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    from server.cli import redis_url_problem
+    from server.argtypes import redis_url_problem
     from server.store.embedded import EmbeddedValkey, EmbeddedValkeyError
     from server.store.valkey_cluster import EmbeddedValkeyCluster, ValkeyClusterError
 

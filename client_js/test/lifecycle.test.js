@@ -95,13 +95,19 @@ test("Stop works after a reconnect", async () => {
   assert.equal(server.received.filter((f) => f.type === "cancel").length, 1);
 });
 
-test("offline: a lost socket waits instead of retrying; online reconnects at once", async () => {
-  const server = await fake();
+/** A client that lost its socket while setOnline(false) held: state "offline", one connection made. */
+async function offlineClient(server) {
   const c = client(server.url, { backoff: { initialMs: 5, maxMs: 5 } });
   await c.connect();
   c.setOnline(false);
   server.dropAll();
   await until(() => c.state === "offline", "offline");
+  return c;
+}
+
+test("offline: a lost socket waits instead of retrying; online reconnects at once", async () => {
+  const server = await fake();
+  const c = await offlineClient(server);
   await new Promise((r) => setTimeout(r, 300));
   assert.equal(server.connections, 1, "no attempts while offline");
   c.setOnline(true);
@@ -511,11 +517,7 @@ test("a storage whose writes finish out of order: one write at a time, the last 
 
 test("resume() after setOnline(false) and pause() waits offline instead of spinning the backoff", async () => {
   const server = await fake();
-  const c = client(server.url, { backoff: { initialMs: 5, maxMs: 5 } });
-  await c.connect();
-  c.setOnline(false);
-  server.dropAll();
-  await until(() => c.state === "offline", "offline");
+  const c = await offlineClient(server);
   c.pause({ graceMs: 0 });
   await until(() => c.state === "paused", "paused");
   c.resume(); // foreground again; no network event came

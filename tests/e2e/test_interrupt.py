@@ -69,6 +69,40 @@ def _valkey_pid(data: Path) -> int:
     return int((data / "valkey" / "tokenwire-valkey.pid").read_text())
 
 
+async def _restart_and_resume(args: list[str], data: Path, token: str, offset: int, seen: str) -> None:
+    """``tokenwire serve`` again on the same data: the interrupted reply continues exactly."""
+    again = ServeProcess(args, data, env=NO_STORE_URL)
+    url = again.start()
+    try:
+        await _resume_rest(url, token, offset, seen)
+    finally:
+        assert again.stop() == 0  # SIGTERM: a supervisor's stop exits 0
+
+
+async def _start_cluster(
+    model: Path, data: Path, log: Path, *extra: str
+) -> tuple[asyncio.subprocess.Process, str]:
+    """``tokenwire cluster`` (1 gateway, 1 worker) in a session of its own, as a terminal runs it, until
+    it says ready: (process, its gateway's URL)."""
+    port = _free_consecutive_ports(1)
+    with log.open("a") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "server.cli", "cluster", "--gateways", "1", "--workers", "1",
+            "--port", str(port), "--data-dir", str(data), "--model", str(model), *extra,
+            stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True, env=NO_STORE_URL,
+        )  # fmt: skip
+    assert proc.stdout is not None
+    await _until_ready(proc.stdout)
+    return proc, f"ws://127.0.0.1:{port}/v1/ws"
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """A process started in its own session, and all it started, gone (a test's cleanup)."""
+    if proc.returncode is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+
 async def test_ctrl_c_on_serve_mid_reply_exits_130_and_the_reply_resumes(
     peaky_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -87,34 +121,15 @@ async def test_ctrl_c_on_serve_mid_reply_exits_130_and_the_reply_resumes(
     finally:
         first.stop()
     _clean(first.stderr_path.read_text())
-
-    second = ServeProcess(args, data, env=NO_STORE_URL)
-    url = second.start()
-    try:
-        await _resume_rest(url, token, offset, seen)
-    finally:
-        assert second.stop() == 0  # SIGTERM: a supervisor's stop exits 0
+    await _restart_and_resume(args, data, token, offset, seen)
 
 
 async def test_ctrl_c_on_cluster_mid_reply_exits_130_and_the_reply_resumes(
     peaky_model_dir: Path, tmp_path: Path
 ) -> None:
     data = tmp_path / "cluster-data"
-
-    async def start(log: Path) -> tuple[asyncio.subprocess.Process, str]:
-        port = _free_consecutive_ports(1)
-        with log.open("a") as err:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "server.cli", "cluster", "--gateways", "1", "--workers", "1",
-                "--port", str(port), "--data-dir", str(data), "--model", str(peaky_model_dir),
-                stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True, env=NO_STORE_URL,
-            )  # fmt: skip
-        assert proc.stdout is not None
-        await _until_ready(proc.stdout)
-        return proc, f"ws://127.0.0.1:{port}/v1/ws"
-
     log1, log2 = tmp_path / "first.stderr", tmp_path / "second.stderr"
-    proc, url = await start(log1)
+    proc, url = await _start_cluster(peaky_model_dir, data, log1)
     try:
         token, offset, seen = await _read_some(url)
         valkey = _valkey_pid(data)
@@ -122,23 +137,19 @@ async def test_ctrl_c_on_cluster_mid_reply_exits_130_and_the_reply_resumes(
         assert await asyncio.wait_for(proc.wait(), 60) == 130
         assert not _alive(valkey)
     finally:
-        if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        await _kill_group(proc)
     _clean(log1.read_text())
     # The terminal's SIGINT reached the children as well, and the cluster's SIGTERM followed it: that is
     # one stop for them, a drain, not a second signal that forces them out.
     assert "stop.forced" not in log1.read_text()
 
-    proc, url = await start(log2)
+    proc, url = await _start_cluster(peaky_model_dir, data, log2)
     try:
         await _resume_rest(url, token, offset, seen)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
     finally:
-        if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        await _kill_group(proc)
 
 
 async def _serve_until(
@@ -190,9 +201,7 @@ async def test_a_stop_while_the_model_loads_does_not_wait_for_the_load(tmp_path:
         assert "tokenwire ready" not in (await proc.stdout.read()).decode()
         assert not _converted(cache)  # it exited before the load it was in could finish
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _kill_group(proc)
     _clean(err.read_text())
 
 
@@ -213,9 +222,7 @@ async def test_a_stop_while_a_second_model_loads_drains_the_first(
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         assert not _converted(cache)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _kill_group(proc)
     text = err.read_text()
     _clean(text)
     assert "worker.handed_back" in text  # model a's worker drained, instead of being stopped cold
@@ -242,31 +249,16 @@ async def test_a_second_ctrl_c_during_the_drain_exits_at_once(peaky_model_dir: P
     stderr = first.stderr_path.read_text()
     _clean(stderr)
     assert "stop.forced" in stderr
-
-    second = ServeProcess(args, data, env=NO_STORE_URL)
-    url = second.start()
-    try:
-        await _resume_rest(url, token, offset, seen)
-    finally:
-        assert second.stop() == 0
+    await _restart_and_resume(args, data, token, offset, seen)
 
 
 async def test_a_second_ctrl_c_on_cluster_stops_it_at_once(peaky_model_dir: Path, tmp_path: Path) -> None:
     """The first Ctrl-C drains (a minute allowed here); a second one kills the children and the cluster
     exits 130 at once, the embedded Valkey stopped last."""
     data, log = tmp_path / "cluster-data", tmp_path / "cluster.stderr"
-    port = _free_consecutive_ports(1)
-    with log.open("a") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "server.cli", "cluster", "--gateways", "1", "--workers", "1",
-            "--port", str(port), "--data-dir", str(data), "--model", str(peaky_model_dir),
-            "--drain-timeout", "60",
-            stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True, env=NO_STORE_URL,
-        )  # fmt: skip
+    proc, url = await _start_cluster(peaky_model_dir, data, log, "--drain-timeout", "60")
     try:
-        assert proc.stdout is not None
-        await _until_ready(proc.stdout)
-        await _read_some(f"ws://127.0.0.1:{port}/v1/ws")
+        await _read_some(url)
         valkey = _valkey_pid(data)
         os.killpg(proc.pid, signal.SIGINT)
         await asyncio.sleep(0.1)  # the reply is far from done: the workers are still draining
@@ -274,9 +266,7 @@ async def test_a_second_ctrl_c_on_cluster_stops_it_at_once(peaky_model_dir: Path
         assert await asyncio.wait_for(proc.wait(), 30) == 130
         assert not _alive(valkey)
     finally:
-        if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        await _kill_group(proc)
     text = log.read_text()
     _clean(text)
     assert "tokenwire cluster: stopping at once" in text

@@ -114,3 +114,11 @@ def peaky_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from server.bench.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("peaky-llama"), init_range=0.5)
+
+
+@pytest.fixture(scope="session")
+def four_bit_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The peaky tiny Llama with its layers' weights on a Q4_1 grid, as a GGUF's are (engine/int4.py)."""
+    from server.bench.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("four-bit-llama"), init_range=0.5, four_bit=True)

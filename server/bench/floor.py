@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -67,13 +67,15 @@ def matmul_floor(weights: llama.Weights, rows: int, *, reps: int = 5) -> float:
     a = torch.randn(rows, attn, dtype=dtype, device=dev)
     m = torch.randn(rows, inner, dtype=dtype, device=dev)
 
+    small = rows <= weights.int4_rows  # as the forward decides: the 4-bit copies at a few rows
+
     def one() -> float:
         t0 = time.perf_counter()
         for L in weights.layers:
-            llama.linear(x, L.qkv)
-            llama.linear(a, L.o)
-            llama.linear(x, L.gate_up)
-            llama.linear(m, L.down)
+            llama.linear(x, L.qkv, small)
+            llama.linear(a, L.o, small)
+            llama.linear(x, L.gate_up, small)
+            llama.linear(m, L.down, small)
         llama.linear(x, weights.lm_head)
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -188,13 +190,17 @@ def read_bandwidth(device: torch.device | str = "cpu", *, mib: int = 512, reps: 
     return x.numel() * x.element_size() / statistics.median(times)
 
 
-def weight_bytes(weights: llama.Weights) -> int:
-    """Bytes a decode step reads of weights: every linear layer and the LM head once, in the step's dtype
-    (norms and the embedding rows it looks up are a few KB)."""
+def weight_bytes(weights: llama.Weights, rows: int = 0) -> int:
+    """Bytes a decode step of ``rows`` rows reads of weights: every linear layer and the LM head once, in
+    the step's dtype, or the layers' 4-bit copies where such a step reads them (norms and the embedding
+    rows it looks up are a few KB)."""
     size = weights.embed.element_size()
+    small = 0 < rows <= weights.int4_rows
     lins = [x for layer in weights.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    lins.append(weights.lm_head)
-    return sum(x.in_features * x.out_features * size for x in lins)
+    total = weights.lm_head.in_features * weights.lm_head.out_features * size
+    for x in lins:
+        total += x.int4.nbytes if small and x.int4 is not None else x.in_features * x.out_features * size
+    return total
 
 
 def roofline(
@@ -202,16 +208,17 @@ def roofline(
     floor: dict[int, float],
     *,
     bandwidth: float,
-    weights: int,
+    weights: Callable[[int], int],
     kv_per_token: int,
 ) -> dict[str, Any]:
-    """Each decode step (at a row count whose floor was measured) over max(floor, bytes / bandwidth);
-    the median, and the bytes of the median step."""
+    """Each decode step (at a row count whose floor was measured) over max(floor, bytes / bandwidth),
+    ``weights(rows)`` the bytes of weights a step of that many rows reads; the median, and the bytes of
+    the median step."""
     at = []  # (step / its roofline, step, bytes read, roofline)
     for s in steps:
         if s.rows not in floor:
             continue
-        nbytes = weights + s.kv_tokens * kv_per_token
+        nbytes = weights(s.rows) + s.kv_tokens * kv_per_token
         line = max(floor[s.rows], nbytes / bandwidth)
         at.append((s.seconds / line, s, nbytes, line))
     if not at:
@@ -221,7 +228,7 @@ def roofline(
     return {
         "step_over_roofline": round(statistics.median(x[0] for x in at), 2),
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "weight_mb": round(weights / 1e6, 1),
+        "weight_mb": round(weights(mid.rows) / 1e6, 1),
         "median_step": {
             "rows": mid.rows,
             "ms": round(mid.seconds * 1000, 1),

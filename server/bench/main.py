@@ -6,6 +6,7 @@ ever silently dropped.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from collections.abc import Callable, Sequence
@@ -84,12 +85,16 @@ def main(
         f"outputs {OUT_MIN}-{OUT_MAX} ({sum(r.out_len for r in reqs)} useful tokens), greedy, EOS ignored"
     )
     echo(f"decode attention: {loaded.kernel_note or loaded.decode_kernel}")
+    if loaded.int4_note:
+        echo(f"4-bit weights: {loaded.int4_note}")
     results: dict[str, Any] = {
         "cpu": cpu,
         "dtype": dtype_name,
         "dtype_note": loaded.dtype_note,
         "decode_kernel": loaded.decode_kernel,
         "kernel_note": loaded.kernel_note,
+        "int4_rows": loaded.int4_rows,
+        "int4_note": loaded.int4_note,
         "failed": [],
     }
     step_log: list[StepRecord] = []
@@ -171,7 +176,7 @@ def _floor(
     decode = fl.decode_steps(steps)
     if not decode:
         return
-    weights = llama.weights_of(loaded.model, 8)
+    weights = llama.weights_of(loaded.model, 8, int4=loaded.int4, int4_rows=loaded.int4_rows)
     # 1 row and every request's row too: the padded loop runs at len(out_lens) rows, the engine's last
     # steps at a few, and the bound below interpolates between measured counts.
     floor = fl.floors(weights, (s.rows for s in decode), also=(1, len(out_lens)))
@@ -206,7 +211,7 @@ def _floor(
         decode,
         floor,
         bandwidth=fl.read_bandwidth(weights.embed.device),
-        weights=fl.weight_bytes(weights),
+        weights=functools.partial(fl.weight_bytes, weights),
         kv_per_token=kv_per_token,
     )
     over = results["engine"]["step_over_roofline"] = line.pop("step_over_roofline")

@@ -41,13 +41,21 @@ def build_tokenizer() -> Any:
 
 
 def build_tiny_model(
-    path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, init_range: float = 0.02
+    path: Path,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+    init_range: float = 0.02,
+    four_bit: bool = False,
 ) -> Path:
     """Write a tiny Llama (config, safetensors, tokenizer) to ``path`` and return it.
 
     With the default init the greedy continuation is the same token over and over; ``init_range=0.5``
     gives peaky logits whose greedy text varies and whose top two logits stay far apart (gaps of 1e-3 and
     more), so greedy runs are reproducible across batchings and re-prefills despite float rounding.
+    ``four_bit``: every layer's linear weight lies on a Q4_1 grid (per 32 inputs, 16 levels from the
+    group's minimum to its maximum), as a GGUF's dequantised weights do (engine/int4.py).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -69,7 +77,22 @@ def build_tiny_model(
         initializer_range=init_range,
     )
     model = LlamaForCausalLM(config)
+    if four_bit:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".layers." in name and p.dim() == 2:
+                    p.copy_(q4_1_grid(p))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
+
+
+def q4_1_grid(w: Any) -> Any:
+    """``w`` [out, in] rounded as GGUF's Q4_1 does: per 32 inputs, low = min, scale = (max - min) / 15,
+    each value low + scale * round((value - low) / scale)."""
+    n, k = w.shape
+    groups = w.detach().float().reshape(n, k // 32, 32)
+    low = groups.amin(-1, keepdim=True)
+    scale = (groups.amax(-1, keepdim=True) - low) / 15
+    return (low + scale * ((groups - low) / scale).round()).reshape(n, k)

@@ -14,11 +14,14 @@ core and thread count, torch version and model, so later starts on the same mach
 The same measurement, in the dtype that serves, picks how decode rows attend on CPU
 (``pick_decode_kernel``): SDPA, or by hand with the scores as K @ q^T (``llama.DECODE_KERNELS``). Which is
 faster depends on the CPU and the dtype, so it is timed, not assumed, and remembered the same way.
+So is up to how many rows a decode step reads a 4-bit checkpoint's own 4 bits (``pick_int4_rows``,
+``int4.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -39,22 +42,26 @@ MEASURE_CONTEXT = 128
 MEASURE_REPS = 5
 BF16_MARGIN = 0.9  # bf16 must take under 90% of fp32's step to be kept
 KQ_MARGIN = 0.95  # the by-hand decode kernel must take under 95% of SDPA's step to be kept
+INT4_ROWS = (1, 2, 4, 8, 16)  # decode steps timed on the 4-bit copies and on the packed weights
+INT4_MARGIN = 0.9  # the 4-bit step must take under 90% of the packed one at every row count up to R
 SMALL_MODEL_PARAMS = 20_000_000  # below this a step is overhead, not matmuls: fp32, nothing to measure
 CHOICES_FILE = "dtype-choices.json"
 MAX_CHOICES = 64  # remembered (machine, torch, model) keys; the oldest go first
 
 
 def decode_stepper(
-    model: Any, *, rows: int = MEASURE_ROWS, context: int = MEASURE_CONTEXT
+    model: Any, *, rows: int = MEASURE_ROWS, context: int = MEASURE_CONTEXT, weights: Any = None
 ) -> Callable[..., float]:
     """A function that runs one decode step of ``rows`` sequences at position ``context`` - 1 and returns
-    its seconds (the first call includes oneDNN creating its primitives: a warm-up). Its one optional
-    argument is the decode kernel to attend with (``llama.DECODE_KERNELS``; default SDPA)."""
+    its seconds (the first call includes oneDNN creating its primitives: a warm-up). Its optional
+    arguments: the decode kernel to attend with (``llama.DECODE_KERNELS``; default SDPA), and the
+    ``llama.Weights`` to run (default: ``weights``, else the model's, built here once)."""
     from server.engine import llama
 
     shape = llama.shape_of(model)
     dtype = next(model.parameters()).dtype
-    weights = llama.weights_of(model, context)
+    if weights is None:
+        weights = llama.weights_of(model, context)
     cache = llama.Cache(shape, [(rows, context)], dtype=dtype, device="cpu")
     pos = context - 1
     write = [r for slot in range(rows) for r in cache.rows_of(0, slot, pos)]
@@ -76,11 +83,11 @@ def decode_stepper(
         logits_at=torch.arange(rows),
     )
 
-    def step(kernel: str = "sdpa") -> float:
+    def step(kernel: str = "sdpa", w: Any = None) -> float:
         cache.decode_kernel = kernel
         with torch.inference_mode():
             t0 = time.perf_counter()
-            llama.forward(weights, shape, cache, layout)
+            llama.forward(weights if w is None else w, shape, cache, layout)
             return time.perf_counter() - t0
 
     return step
@@ -173,6 +180,46 @@ def pick_decode_kernel(model: Any, cache_dir: Path | None = None) -> KernelChoic
     chosen = "kq" if figures["kq_ms"] < KQ_MARGIN * figures["sdpa_ms"] else "sdpa"
     _remember(cache_dir, key, chosen, figures)
     return KernelChoice(chosen, figures)
+
+
+class Int4Choice(NamedTuple):
+    rows: int  # decode steps of at most this many rows read the 4-bit copies; 0: none does
+    figures: dict[str, float]  # "plain_R_ms" and "int4_R_ms" for each R of INT4_ROWS measured
+    remembered: bool = False
+
+
+def pick_int4_rows(model: Any, layers: Any, kernel: str, cache_dir: Path | None = None) -> Int4Choice:
+    """Up to how many rows a decode step runs faster on the layers' 4-bit copies (``int4.py``; ``layers``
+    as ``int4.model_layers`` gives them, scales in the model's dtype) than on the packed weights: a
+    decode step of the model at each of ``INT4_ROWS`` rows both ways, in turn (the 4-bit kernel's cost
+    grows with the rows, the packed GEMMs' hardly). The largest R such that every count up to it ran
+    under ``INT4_MARGIN`` of the packed step; 0 when one row does not. Remembered like the dtype."""
+    from server.engine import llama
+
+    n_params = _measurable_params(model)
+    if n_params is None:
+        return Int4Choice(0, {})
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    key = f"{_choice_key(model, n_params)}:int4-rows:{dtype}"
+    names = tuple(f"{kind}_{r}_ms" for r in INT4_ROWS for kind in ("plain", "int4"))
+    allowed = tuple(str(r) for r in (0, *INT4_ROWS))
+    known = _remembered(cache_dir, key, allowed=allowed, figures=names)
+    if known is not None:
+        return Int4Choice(int(known["chosen"]), {k: float(known[k]) for k in names}, remembered=True)
+    fours = llama.weights_of(model, MEASURE_CONTEXT, int4=layers, int4_rows=max(INT4_ROWS))
+    plain = dataclasses.replace(fours, int4_rows=0)
+    figures: dict[str, float] = {}
+    for rows in INT4_ROWS:
+        step = decode_stepper(model, rows=rows, weights=fours)
+        seconds = _interleaved([functools.partial(step, kernel, plain), functools.partial(step, kernel)])
+        figures[f"plain_{rows}_ms"], figures[f"int4_{rows}_ms"] = (s * 1000 for s in seconds)
+    chosen = 0
+    for rows in INT4_ROWS:
+        if figures[f"int4_{rows}_ms"] >= INT4_MARGIN * figures[f"plain_{rows}_ms"]:
+            break
+        chosen = rows
+    _remember(cache_dir, key, str(chosen), figures)
+    return Int4Choice(chosen, figures)
 
 
 def _measurable_params(model: Any) -> int | None:

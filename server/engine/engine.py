@@ -175,6 +175,8 @@ class BatchingEngine(ThreadedEngine):
             dtype=loaded.dtype,
             keep_plain=not one_copy,
             decode_kernel=loaded.decode_kernel,
+            int4=loaded.int4,
+            int4_rows=loaded.int4_rows,
         )
         if one_copy:
             self.runner.weights, freed = llama.release_model_linears(loaded.model, self.runner.weights)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from server.engine import int4 as q4
 from server.engine.mapped import map_like
 from server.engine.profile import Lap, no_lap
 
@@ -57,6 +58,7 @@ class Linear:
     w: Tensor
     b: Tensor | None = None
     packed: Tensor | None = None
+    int4: q4.Int4 | None = None  # the checkpoint's own 4 bits, for steps of a few rows (int4.py)
 
     @property
     def in_features(self) -> int:
@@ -87,6 +89,7 @@ class Weights:
     lm_head: Linear  # [V, D]
     cos: Tensor  # [P, Hd] rotary table for every position (float32)
     sin: Tensor  # [P, Hd]
+    int4_rows: int = 0  # steps of at most this many tokens read the layers' 4-bit copies (int4.py)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -180,22 +183,33 @@ def _fused(modules: list[Any], pack: bool, keep_plain: bool) -> Linear:
     return lin
 
 
-def weights_of(model: Any, max_positions: int, *, pack: bool = True, keep_plain: bool = True) -> Weights:
+def weights_of(
+    model: Any,
+    max_positions: int,
+    *,
+    pack: bool = True,
+    keep_plain: bool = True,
+    int4: tuple[dict[str, q4.Int4], ...] | None = None,
+    int4_rows: int = 0,
+) -> Weights:
     """The model's weights as plain tensors (packed copies for oneDNN with ``pack`` on CPU), plus rotary
     tables for positions [0, max_positions). With ``keep_plain`` off, a linear layer that has a packed
-    copy keeps only that one (see ``release_model_linears`` for the model's own tensors)."""
+    copy keeps only that one (see ``release_model_linears`` for the model's own tensors). ``int4``: each
+    layer's 4-bit copies (``int4.model_layers``, scales in the model's dtype), read by steps of at most
+    ``int4_rows`` tokens."""
     inner = model.model
     layers = []
-    for layer in inner.layers:
+    for i, layer in enumerate(inner.layers):
         a, m = layer.self_attn, layer.mlp
+        fours = int4[i] if int4 is not None else {}
         layers.append(
             Layer(
                 attn_norm=layer.input_layernorm.weight.detach(),
-                qkv=_fused([a.q_proj, a.k_proj, a.v_proj], pack, keep_plain),
-                o=_linear(a.o_proj, pack, keep_plain),
+                qkv=_with_int4(_fused([a.q_proj, a.k_proj, a.v_proj], pack, keep_plain), fours.get("qkv")),
+                o=_with_int4(_linear(a.o_proj, pack, keep_plain), fours.get("o")),
                 mlp_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=_fused([m.gate_proj, m.up_proj], pack, keep_plain),
-                down=_linear(m.down_proj, pack, keep_plain),
+                gate_up=_with_int4(_fused([m.gate_proj, m.up_proj], pack, keep_plain), fours.get("gate_up")),
+                down=_with_int4(_linear(m.down_proj, pack, keep_plain), fours.get("down")),
             )
         )
     embed = inner.embed_tokens.weight.detach()
@@ -211,7 +225,19 @@ def weights_of(model: Any, max_positions: int, *, pack: bool = True, keep_plain:
         lm_head=_linear(model.lm_head, pack, keep_plain),
         cos=cos[0].float(),
         sin=sin[0].float(),
+        int4_rows=int4_rows if int4 is not None else 0,
     )
+
+
+def _with_int4(lin: Linear, small: q4.Int4 | None) -> Linear:
+    if small is None:
+        return lin
+    if (small.out_features, small.in_features) != (lin.out_features, lin.in_features):
+        shape = (small.out_features, small.in_features)
+        raise ValueError(f"a 4-bit copy of {shape} for a weight of {tuple(lin.w.shape)}")
+    if small.scales_zeros.dtype != lin.w.dtype:  # the kernel takes scales in the activations' dtype
+        raise ValueError(f"4-bit scales in {small.scales_zeros.dtype} for a {lin.w.dtype} model")
+    return Linear(lin.w, lin.b, lin.packed, small)
 
 
 class ReleasedLinear(torch.nn.Module):
@@ -273,7 +299,7 @@ def release_model_linears(model: Any, weights: Weights) -> tuple[Weights, int]:
         return moved.get(t.data_ptr(), t) if t is not None and t.device.type == "cpu" else t
 
     def own_linear(lin: Linear) -> Linear:
-        return Linear(lin.w, own(lin.b), lin.packed)
+        return Linear(lin.w, own(lin.b), lin.packed, lin.int4)
 
     layers = tuple(
         Layer(
@@ -294,6 +320,7 @@ def release_model_linears(model: Any, weights: Weights) -> tuple[Weights, int]:
             lm_head=own_linear(weights.lm_head),
             cos=weights.cos,
             sin=weights.sin,
+            int4_rows=weights.int4_rows,
         ),
         freed,
     )
@@ -474,10 +501,13 @@ class Cache:
 # ---- the forward pass ----------------------------------------------------------------------------
 
 
-def linear(x: Tensor, lin: Linear) -> Tensor:
+def linear(x: Tensor, lin: Linear, small: bool = False) -> Tensor:
     # x [T, in] -> [T, out]: cuBLAS on CUDA; on CPU, the GEMMs that measured fastest here (2 cores):
     if x.device.type != "cpu":
         return F.linear(x, lin.w, lin.b)
+    if small and lin.int4 is not None:
+        # A step of a few rows: the checkpoint's 4-bit weights, a quarter of bf16's bytes (int4.py).
+        return q4.mm(x, lin.int4)
     if lin.packed is not None:
         # oneDNN on the packed weight: the fastest at every row count measured (1 row to prefill chunks).
         y: Tensor = torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.b, "none", [], "")
@@ -565,11 +595,12 @@ def forward(w: Weights, shape: Shape, cache: Cache, layout: StepLayout, lap: Lap
     cos = w.cos[layout.positions].to(w.embed.dtype)[:, None, :]  # [T, 1, Hd]
     sin = w.sin[layout.positions].to(w.embed.dtype)[:, None, :]
     x = F.embedding(layout.ids, w.embed)  # [T, D]
+    small = w.int4_rows >= T  # few enough rows for the 4-bit copies to win (measured at load)
     lap("other")
     for i, L in enumerate(w.layers):
         h = rms_norm(x, L.attn_norm, shape.eps)
         lap("norms+rotary")
-        qkv = linear(h, L.qkv).reshape(T, H + 2 * kv, hd)  # [T, H+2KV, Hd]
+        qkv = linear(h, L.qkv, small).reshape(T, H + 2 * kv, hd)  # [T, H+2KV, Hd]
         lap("linear")
         qk = rotate(qkv[:, : H + kv], cos, sin)  # [T, H+KV, Hd]: q and k in one call
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + kv :]
@@ -579,15 +610,15 @@ def forward(w: Weights, shape: Shape, cache: Cache, layout: StepLayout, lap: Lap
         lap("other")
         a = attention(q, cache.views[i], layout, shape, cache.decode_kernel)
         lap("attention")
-        x = x + linear(a, L.o)  # [T, D]
+        x = x + linear(a, L.o, small)  # [T, D]
         lap("linear")
         h = rms_norm(x, L.mlp_norm, shape.eps)
         lap("norms+rotary")
-        gu = linear(h, L.gate_up)  # [T, 2I]
+        gu = linear(h, L.gate_up, small)  # [T, 2I]
         lap("linear")
         gu = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
         lap("other")
-        x = x + linear(gu, L.down)  # [T, I] -> [T, D]
+        x = x + linear(gu, L.down, small)  # [T, I] -> [T, D]
         lap("linear")
     last = rms_norm(x.index_select(0, layout.logits_at), w.norm, shape.eps)  # [R, D]
     lap("norms+rotary")

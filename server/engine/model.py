@@ -51,6 +51,11 @@ class LoadedModel:
     dtype_figures: dict[str, float] = field(default_factory=dict)  # those step times, ms
     decode_kernel: str = "sdpa"  # how decode rows attend (llama.DECODE_KERNELS; measured on CPU)
     kernel_note: str = ""  # how it was chosen, with the measured step times
+    # The layers' 4-bit copies (int4.py; scales in ``dtype``) and up to how many rows a decode step reads
+    # them (measured on CPU); None and 0 where the checkpoint is not 4-bit or the copies do not win here.
+    int4: tuple[dict[str, Any], ...] | None = field(default=None, repr=False)
+    int4_rows: int = 0
+    int4_note: str = ""  # why, with the measured step times
     _prompter: ChatPrompter | None = field(default=None, repr=False)
 
     @property
@@ -156,6 +161,9 @@ def load_model(
     if dtype == "auto":
         # bf16 on CUDA; on CPU fp32 first, then measured against bf16 (settle_dtype).
         torch_dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    elif dtype == "bfloat16" and not dev.startswith("cuda"):
+        # fp32 first on CPU too, cast by settle_dtype: a 4-bit checkpoint's grid is found in fp32 (int4.py).
+        torch_dtype = torch.float32
     else:
         torch_dtype = getattr(torch, dtype)
     attn = "sdpa"
@@ -180,8 +188,10 @@ def load_model(
         dtype=torch_dtype,
         load_seconds=0.0,
     )
+    four_bit = exact_int4(loaded, dtype)
     settle_dtype(loaded, dtype, cache_root())
     settle_decode_kernel(loaded, cache_root())
+    settle_int4(loaded, four_bit, cache_root())
     loaded.load_seconds = time.perf_counter() - t0
     log.info(
         "model.loaded", name=name, device=dev, dtype=str(loaded.dtype), seconds=round(loaded.load_seconds, 2)
@@ -218,6 +228,73 @@ def settle_decode_kernel(loaded: LoadedModel, cache_dir: Path | None = None) -> 
     )
     event = "model.decode_kernel_remembered" if choice.remembered else "model.decode_kernel_measured"
     log.info(event, chosen=choice.kernel, **{k: round(v, 1) for k, v in choice.figures.items()})
+
+
+def exact_int4(loaded: LoadedModel, requested: str) -> tuple[dict[str, Any], ...] | None:
+    """The layers' 4-bit copies when the model, as loaded (float32, on CPU, before any cast), holds
+    exactly 4-bit weights (int4.py), and they might serve: not with ``--dtype float32`` (the kernel
+    takes bf16 activations), not with ``TOKENWIRE_INT4_ROWS=0``. About 0.8 s for SmolLM2-135M."""
+    import torch
+
+    from server.engine import int4, llama
+
+    if (
+        loaded.device != "cpu"
+        or loaded.dtype != torch.float32
+        or requested == "float32"
+        or os.environ.get("TOKENWIRE_INT4_ROWS") == "0"
+        or llama.unsupported_reason(loaded.model) is not None
+    ):
+        return None
+    t0 = time.perf_counter()
+    layers = int4.model_layers(loaded.model)
+    if layers is not None:
+        log.info("model.int4_found", layers=len(layers), seconds=round(time.perf_counter() - t0, 2))
+    return layers
+
+
+def settle_int4(
+    loaded: LoadedModel, layers: tuple[dict[str, Any], ...] | None, cache_dir: Path | None = None
+) -> None:
+    """Up to how many rows a decode step reads the 4-bit copies: none unless the model is 4-bit and
+    serves in bf16 on CPU; then measured (dtype.pick_int4_rows), logged and remembered, or named by
+    ``TOKENWIRE_INT4_ROWS=N`` (0 turns them off)."""
+    import torch
+
+    if loaded.device != "cpu":
+        return  # nothing to say: a GPU reads its weights at its own speed
+    if loaded.dtype != torch.bfloat16:
+        loaded.int4_note = f"off (serving {loaded.dtype_name}: the 4-bit kernel takes bf16 activations)"
+        return
+    if os.environ.get("TOKENWIRE_INT4_ROWS") == "0":
+        loaded.int4_note = "off (TOKENWIRE_INT4_ROWS=0)"
+        return
+    if layers is None:
+        loaded.int4_note = "off (the checkpoint's weights are not 4-bit)"
+        return
+    layers = tuple({name: w.to(torch.bfloat16) for name, w in layer.items()} for layer in layers)
+    named = os.environ.get("TOKENWIRE_INT4_ROWS", "")
+    if named:
+        if not named.isdigit() or not 0 <= int(named) <= 4096:
+            raise ValueError(f"TOKENWIRE_INT4_ROWS={named}: a number of rows, 0 to 4096")
+        rows, loaded.int4_note = int(named), f"up to {int(named)} rows (TOKENWIRE_INT4_ROWS)"
+    else:
+        from server.engine.dtype import pick_int4_rows
+
+        choice = pick_int4_rows(loaded.model, layers, loaded.decode_kernel, cache_dir)
+        rows = choice.rows
+        how = "remembered for this CPU, torch and model" if choice.remembered else "measured now"
+        f = choice.figures
+        loaded.int4_note = (
+            f"up to {rows} rows (a 1-row decode step took {f['int4_1_ms']:.1f} ms on them, "
+            f"{f['plain_1_ms']:.1f} ms on the packed bf16 weights; {how})"
+            if rows
+            else f"off (no faster here: 1 row {f['int4_1_ms']:.1f} against {f['plain_1_ms']:.1f} ms; {how})"
+        )
+        event = "model.int4_remembered" if choice.remembered else "model.int4_measured"
+        log.info(event, rows=rows, **{k: round(v, 1) for k, v in f.items()})
+    if rows:
+        loaded.int4, loaded.int4_rows = layers, rows
 
 
 def settle_dtype(loaded: LoadedModel, requested: str, cache_dir: Path | None = None) -> None:

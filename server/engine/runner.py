@@ -43,6 +43,8 @@ class Runner:
         dtype: torch.dtype,
         keep_plain: bool = True,
         decode_kernel: str = "sdpa",
+        int4: tuple[dict[str, Any], ...] | None = None,
+        int4_rows: int = 0,
     ) -> None:
         reason = llama.unsupported_reason(model)
         if reason is not None:
@@ -50,7 +52,9 @@ class Runner:
         self.device = torch.device(device)
         self.shape = llama.shape_of(model)
         max_len = max(length for _, length in pools)
-        self.weights = llama.weights_of(model, max(max_len, 1), keep_plain=keep_plain)
+        self.weights = llama.weights_of(
+            model, max(max_len, 1), keep_plain=keep_plain, int4=int4, int4_rows=int4_rows
+        )
         self.cache = llama.Cache(
             self.shape, list(pools), dtype=dtype, device=self.device, decode_kernel=decode_kernel
         )

@@ -1034,6 +1034,7 @@ def _render_engine(r: dict[str, Any]) -> list[str]:
         "",
         f"{_cpu(e)}; dtype {e.get('dtype_note') or e.get('dtype')}"
         + (f"; decode attention {e['kernel_note']}" if e.get("kernel_note") else "")
+        + (f"; 4-bit weights {e['int4_note']}" if e.get("int4_note") else "")
         + ".",
         "",
         "32 chat requests, output lengths drawn from 16-128, EOS ignored (every path does the same work),",

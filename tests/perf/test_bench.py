@@ -82,10 +82,10 @@ def test_the_roofline_is_the_larger_of_the_floor_and_the_reads() -> None:
         StepRecord(8, 0, 0.044, kv_tokens=2_000),
         StepRecord(16, 0, 1.0, kv_tokens=5),  # no floor measured at 16 rows: not compared
     ]
-    out = fl.roofline(steps, floor, bandwidth=1e9, weights=5_000_000, kv_per_token=1_000)
+    out = fl.roofline(steps, floor, bandwidth=1e9, weights=lambda rows: 5_000_000, kv_per_token=1_000)
     assert out["step_over_roofline"] == 2.0  # median of 30/15, 30/20, 44/20
     assert out["median_step"]["rows"] == 4 and out["median_step"]["memory_ms"] == 15.0
-    none = fl.roofline(steps[3:], floor, bandwidth=1e9, weights=1, kv_per_token=1)
+    none = fl.roofline(steps[3:], floor, bandwidth=1e9, weights=lambda rows: 1, kv_per_token=1)
     assert none == {"step_over_roofline": None}
 
 

@@ -1,0 +1,226 @@
+"""A checkpoint's own 4-bit weights (engine/int4.py): found only where every value lies on a Q4_1 grid,
+computed as the float weights are, read only by decode steps of at most the measured number of rows, and
+only when serving bf16 on CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from server.bench import floor as fl
+from server.bench.tiny_model import q4_1_grid
+from server.engine import dtype as dtype_mod
+from server.engine import int4, llama
+from server.engine.api import SamplingParams
+from server.engine.model import load_model
+from server.engine.runner import Runner
+from tests.engine.test_runner import PROMPTS, Req, assert_matches, chat, drive, generate
+
+
+def _grid(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return q4_1_grid(torch.randn(n, k) * 0.05)
+
+
+def test_exact_finds_a_q4_1_grid_and_nothing_else() -> None:
+    w = _grid(64, 96)
+    form = int4.exact(w)
+    assert form is not None
+    q, scale, low = form
+    assert q.dtype == torch.uint8 and int(q.max()) == 15 and int(q.min()) == 0
+    assert scale.shape == low.shape == (64, 3)
+    back = low.repeat_interleave(32, 1) + q.float() * scale.repeat_interleave(32, 1)
+    torch.testing.assert_close(back, w, rtol=0, atol=1e-6)
+    off = w.clone()
+    off[3, 40] += 0.01 * float(scale[3, 1])  # one value a hundredth of a step off its grid
+    assert int4.exact(off) is None
+    assert int4.exact(torch.randn(64, 96)) is None  # plain float weights: never quantised here
+    assert int4.exact(w.bfloat16()) is None  # only the float32 load holds the grid exactly
+    assert int4.exact(_grid(64, 96)[:, :80]) is None  # inputs not a whole number of groups
+
+
+def test_the_4bit_gemm_computes_the_float_weights() -> None:
+    a, b = _grid(96, 64, seed=1), _grid(32, 64, seed=2)
+    fa, fb = int4.exact(a), int4.exact(b)
+    assert fa is not None and fb is not None
+    fused = int4.pack([fa, fb]).to(torch.bfloat16)
+    assert (fused.out_features, fused.in_features) == (128, 64)
+    assert fused.nbytes == 128 * 64 // 2 + 2 * 2 * 128 * 2  # half a byte a weight, two bf16 per group
+    x = torch.randn(5, 64)
+    want = x @ torch.cat([a, b]).t()
+    got = int4.mm(x.bfloat16(), fused).float()
+    plain = (x.bfloat16() @ torch.cat([a, b]).bfloat16().t()).float()  # what the packed bf16 path does
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= max(2 * float((plain - want).abs().max()), 0.02 * scale)
+
+
+def test_a_named_row_count_runs_small_steps_on_4_bits(
+    four_bit_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "3")
+    m = load_model(four_bit_model_dir, dtype="bfloat16")
+    assert m.int4 is not None and m.int4_rows == 3 and "TOKENWIRE_INT4_ROWS" in m.int4_note
+    shape = llama.shape_of(m.model)
+    fours = llama.weights_of(m.model, 64, int4=m.int4, int4_rows=m.int4_rows)
+    plain = llama.weights_of(m.model, 64)
+    calls: list[int] = []
+    real = int4.mm
+
+    def spy(x: torch.Tensor, w: int4.Int4) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, w)
+
+    monkeypatch.setattr(int4, "mm", spy)
+    for rows, on in [(1, True), (3, True), (4, False)]:
+        calls.clear()
+        logits = {}
+        for name, w in (("int4", fours), ("plain", plain)):
+            cache = llama.Cache(shape, [(rows, 64)], dtype=torch.bfloat16, device="cpu")
+            torch.manual_seed(rows)
+            ids = torch.randint(3, shape.vocab, (rows,))
+            layout = llama.StepLayout(
+                ids=ids,
+                positions=torch.zeros(rows, dtype=torch.long),
+                write_rows=torch.tensor([r for s in range(rows) for r in cache.rows_of(0, s, 0)]),
+                decode=[
+                    llama.DecodeGroup(
+                        pool=0,
+                        tok_lo=0,
+                        tok_hi=rows,
+                        n_slots=rows,
+                        length=1,
+                        mask=torch.zeros(rows, 1, 1, 1, dtype=torch.bfloat16),
+                        rows=None,
+                    )
+                ],
+                prefill=[],
+                logits_at=torch.arange(rows),
+            )
+            with torch.inference_mode():
+                logits[name] = llama.forward(w, shape, cache, layout)
+        # 4 GEMMs a layer on 4 bits at up to 3 rows; none past them (the LM head never: not 4-bit)
+        assert calls == ([rows] * 4 * shape.n_layers if on else [])
+        spread = float(logits["plain"].abs().max())
+        assert float((logits["int4"] - logits["plain"]).abs().max()) <= 0.05 * spread
+        assert torch.equal(logits["int4"].argmax(-1), logits["plain"].argmax(-1))
+
+
+def test_the_runner_serves_on_4_bits_with_one_copy(
+    four_bit_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "4")
+    ref, m = (
+        load_model(four_bit_model_dir, dtype="bfloat16"),
+        load_model(four_bit_model_dir, dtype="bfloat16"),
+    )
+    assert m.int4 is not None
+    calls: list[int] = []
+    real = int4.mm
+
+    def spy(x: torch.Tensor, w: int4.Int4) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, w)
+
+    monkeypatch.setattr(int4, "mm", spy)
+    pools = ((4, 256),)
+    runner = Runner(m.model, pools, device="cpu", dtype=m.dtype, keep_plain=False, int4=m.int4, int4_rows=4)
+    runner.weights, _ = llama.release_model_linears(m.model, runner.weights)
+    assert runner.weights.int4_rows == 4
+    assert all(L.qkv.int4 is not None and L.down.int4 is not None for L in runner.weights.layers)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    prompts = [chat(ref, p) for p in PROMPTS[:3]]
+    got = drive(
+        m, [Req(f"r{i}", p, greedy, join=4 * i) for i, p in enumerate(prompts)], pools=pools, runner=runner
+    )
+    assert calls and max(calls) <= 4  # decode steps of 1-3 rows ran on 4 bits; prefills never did
+    for i, p in enumerate(prompts):
+        # The same tokens as transformers on the bf16 weights, up to a near tie in bf16.
+        assert_matches(ref, p, got.tokens[f"r{i}"], generate(ref, p, 16), bf16_steps=8)
+
+
+def test_off_unless_a_4bit_checkpoint_serves_bf16_on_cpu(
+    four_bit_model_dir: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "4")
+    f32 = load_model(four_bit_model_dir, dtype="float32")
+    assert f32.int4 is None and f32.int4_rows == 0 and "serving float32" in f32.int4_note
+    plain = load_model(tiny_model_dir, dtype="bfloat16")
+    assert plain.int4 is None and "not 4-bit" in plain.int4_note
+    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "0")
+    off = load_model(four_bit_model_dir, dtype="bfloat16")
+    assert off.int4 is None and off.int4_rows == 0 and "TOKENWIRE_INT4_ROWS=0" in off.int4_note
+    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "many")
+    with pytest.raises(ValueError, match="TOKENWIRE_INT4_ROWS=many: a number of rows"):
+        load_model(four_bit_model_dir, dtype="bfloat16")
+
+
+@pytest.fixture
+def timed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[float]], list[str]]:
+    """Makes the 4-bit measurement see the given step times ([plain, int4] per row count, in turn) and
+    returns the log of what was timed; the tiny model counts as big enough, choices go to this test's
+    own cache folder."""
+    monkeypatch.setattr(dtype_mod, "SMALL_MODEL_PARAMS", 0)
+    monkeypatch.setenv("TOKENWIRE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TOKENWIRE_INT4_ROWS", raising=False)
+    monkeypatch.delenv("TOKENWIRE_DTYPE_REMEASURE", raising=False)
+    monkeypatch.setenv("TOKENWIRE_DECODE_KERNEL", "sdpa")
+    log: list[str] = []
+
+    def install(seconds: list[float]) -> list[str]:
+        pairs = iter(zip(seconds[::2], seconds[1::2], strict=True))
+
+        def fake(steps: list[Any]) -> list[float]:
+            assert len(steps) == 2  # the packed step and the 4-bit step, in turn
+            plain, four = next(pairs)
+            log.append(f"{plain}/{four}")
+            steps[0](), steps[1]()  # both really run, once each
+            return [plain, four]
+
+        monkeypatch.setattr(dtype_mod, "_interleaved", fake)
+        return log
+
+    return install
+
+
+@pytest.mark.parametrize(
+    ("seconds", "rows"),
+    [
+        ([1.0, 0.5, 1.0, 0.6, 1.0, 0.8, 1.0, 0.95, 1.0, 1.2], 4),  # wins up to 4 rows
+        ([1.0, 0.5, 1.0, 0.95, 1.0, 0.5, 1.0, 0.5, 1.0, 0.5], 1),  # a near tie at 2 ends it
+        ([1.0, 0.92, 1.0, 0.5, 1.0, 0.5, 1.0, 0.5, 1.0, 0.5], 0),  # not clearly faster at one row
+    ],
+    ids=["up-to-4", "stops-at-the-first-loss", "off"],
+)
+def test_the_row_count_is_measured_then_remembered(
+    four_bit_model_dir: Path,
+    timed: Callable[[list[float]], list[str]],
+    seconds: list[float],
+    rows: int,
+) -> None:
+    assert dtype_mod.INT4_ROWS == (1, 2, 4, 8, 16)
+    log = timed(seconds)
+    m = load_model(four_bit_model_dir, dtype="bfloat16")
+    assert len(log) == len(dtype_mod.INT4_ROWS)
+    assert m.int4_rows == rows and (m.int4 is not None) == bool(rows)
+    assert "measured now" in m.int4_note
+    again = load_model(four_bit_model_dir, dtype="bfloat16")
+    assert len(log) == len(dtype_mod.INT4_ROWS)  # nothing timed the second time
+    assert again.int4_rows == rows and "remembered" in again.int4_note
+
+
+def test_the_roofline_counts_the_4bit_bytes_at_small_rows(
+    four_bit_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "2")
+    m = load_model(four_bit_model_dir, dtype="bfloat16")
+    w = llama.weights_of(m.model, 8, int4=m.int4, int4_rows=m.int4_rows)
+    full, small = fl.weight_bytes(w, 3), fl.weight_bytes(w, 2)
+    head = w.lm_head.in_features * w.lm_head.out_features * 2
+    layers = sum(x.in_features * x.out_features for L in w.layers for x in (L.qkv, L.o, L.gate_up, L.down))
+    assert full == head + 2 * layers
+    # half a byte a weight, and a bf16 scale and zero per 32 weights: 5/8 of a byte, not 2
+    assert small == head + layers * 5 // 8

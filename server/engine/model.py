@@ -230,6 +230,9 @@ def settle_decode_kernel(loaded: LoadedModel, cache_dir: Path | None = None) -> 
     log.info(event, chosen=choice.kernel, **{k: round(v, 1) for k, v in choice.figures.items()})
 
 
+MAX_INT4_ROWS = 4096  # TOKENWIRE_INT4_ROWS's bound: more rows than any step runs
+
+
 def exact_int4(loaded: LoadedModel, requested: str) -> tuple[dict[str, Any], ...] | None:
     """The layers' 4-bit copies when the model, as loaded (float32, on CPU, before any cast), holds
     exactly 4-bit weights (int4.py), and they might serve: not with ``--dtype float32`` (the kernel
@@ -261,30 +264,32 @@ def settle_int4(
     ``TOKENWIRE_INT4_ROWS=N`` (0 turns them off)."""
     import torch
 
+    named = os.environ.get("TOKENWIRE_INT4_ROWS", "")
+    if named and not (named.isascii() and named.isdigit() and int(named) <= MAX_INT4_ROWS):
+        raise ValueError(f"TOKENWIRE_INT4_ROWS={named}: a number of rows, 0 to {MAX_INT4_ROWS}")
     if loaded.device != "cpu":
         return  # nothing to say: a GPU reads its weights at its own speed
     if loaded.dtype != torch.bfloat16:
         loaded.int4_note = f"off (serving {loaded.dtype_name}: the 4-bit kernel takes bf16 activations)"
         return
-    if os.environ.get("TOKENWIRE_INT4_ROWS") == "0":
+    if named == "0":
         loaded.int4_note = "off (TOKENWIRE_INT4_ROWS=0)"
         return
     if layers is None:
         loaded.int4_note = "off (the checkpoint's weights are not 4-bit)"
         return
     layers = tuple({name: w.to(torch.bfloat16) for name, w in layer.items()} for layer in layers)
-    named = os.environ.get("TOKENWIRE_INT4_ROWS", "")
     if named:
-        if not named.isdigit() or not 0 <= int(named) <= 4096:
-            raise ValueError(f"TOKENWIRE_INT4_ROWS={named}: a number of rows, 0 to 4096")
         rows, loaded.int4_note = int(named), f"up to {int(named)} rows (TOKENWIRE_INT4_ROWS)"
     else:
         from server.engine.dtype import pick_int4_rows
 
         choice = pick_int4_rows(loaded.model, layers, loaded.decode_kernel, cache_dir)
-        rows = choice.rows
+        rows, f = choice.rows, choice.figures
+        if not f:
+            loaded.int4_note = "off (model too small to measure: its steps are overhead, not weights)"
+            return
         how = "remembered for this CPU, torch and model" if choice.remembered else "measured now"
-        f = choice.figures
         loaded.int4_note = (
             f"up to {rows} rows (a 1-row decode step took {f['int4_1_ms']:.1f} ms on them, "
             f"{f['plain_1_ms']:.1f} ms on the packed bf16 weights; {how})"

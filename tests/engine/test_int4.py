@@ -153,9 +153,13 @@ def test_off_unless_a_4bit_checkpoint_serves_bf16_on_cpu(
     monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "0")
     off = load_model(four_bit_model_dir, dtype="bfloat16")
     assert off.int4 is None and off.int4_rows == 0 and "TOKENWIRE_INT4_ROWS=0" in off.int4_note
-    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "many")
-    with pytest.raises(ValueError, match="TOKENWIRE_INT4_ROWS=many: a number of rows"):
-        load_model(four_bit_model_dir, dtype="bfloat16")
+    for bad in ("many", "-1", "4097", "٣"):
+        monkeypatch.setenv("TOKENWIRE_INT4_ROWS", bad)
+        with pytest.raises(ValueError, match=f"TOKENWIRE_INT4_ROWS={bad}: a number of rows, 0 to 4096"):
+            load_model(tiny_model_dir)  # refused whatever the model: a typo is never ignored
+    monkeypatch.delenv("TOKENWIRE_INT4_ROWS")
+    small = load_model(four_bit_model_dir, dtype="bfloat16")  # 4-bit, but too small to be worth timing
+    assert small.int4 is None and "too small" in small.int4_note
 
 
 @pytest.fixture

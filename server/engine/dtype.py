@@ -190,7 +190,7 @@ class Int4Choice(NamedTuple):
 
 def pick_int4_rows(model: Any, layers: Any, kernel: str, cache_dir: Path | None = None) -> Int4Choice:
     """Up to how many rows a decode step runs faster on the layers' 4-bit copies (``int4.py``; ``layers``
-    as ``int4.model_layers`` gives them, scales in the model's dtype) than on the packed weights: a
+    as ``int4.model_layers`` gives them, scales in bf16) than on the packed weights: a
     decode step of the model at each of ``INT4_ROWS`` rows both ways, in turn (the 4-bit kernel's cost
     grows with the rows, the packed GEMMs' hardly). The largest R such that every count up to it ran
     under ``INT4_MARGIN`` of the packed step; 0 when one row does not. Remembered like the dtype."""

@@ -10,14 +10,16 @@ GEMMs at one row took 14.3 ms in bf16 through oneDNN against 5.4 ms through torc
 rows, though, so its cost grows with the rows (48.6 against 17.6 ms at 32): it pays only for the steps of
 a lone user or a quiet server, and which row counts it wins is measured at load
 (``dtype.pick_int4_rows``), never assumed. Its float32 path is not vectorised (100 ms at one row), so it
-runs with bf16 activations only.
+runs with bf16 activations only: a CPU serving float32 (chosen by ``--dtype auto``; never when float32 is
+asked for) rounds a small step's activations to bf16 for these GEMMs, and a 1-row step of that Xeon
+took 21.4 ms so against 45.7 in float32.
 
 Nothing is quantised here: ``exact`` finds a weight's grid and returns None unless every value lies on
 it, to float32 precision. A checkpoint in bf16 or float32 that was never 4-bit keeps its plain GEMMs. The
-4-bit copy is made from the float32 load, before any cast (its groups' scales then go to the serving
-dtype, as the kernel asks), and is kept beside the packed bf16 copy, which every larger step reads: 0.625
-bytes a weight, 66 MB for SmolLM2-135M's layers. The LM head is not 4-bit (Q8_0 in the GGUF): it stays on
-oneDNN.
+4-bit copy is made from the float32 load, before any cast (its groups' scales then go to bf16, as the
+kernel asks), and is kept beside the packed bf16 or float32 copy, which every larger step reads: 0.625
+bytes a weight, 66 MB for SmolLM2-135M's layers. The LM head is not 4-bit (Q8_0 in the GGUF): it stays
+on oneDNN.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class Int4:
         )
 
     def to(self, dtype: torch.dtype) -> Int4:
-        """The same weight with its scales in ``dtype``, the activations' (the kernel asks for the same)."""
+        """The same weight with its scales in ``dtype``: the kernel's activations' (bf16, ``mm``)."""
         return Int4(self.packed, self.scales_zeros.to(dtype), self.out_features, self.in_features)
 
 
@@ -90,9 +92,11 @@ def pack(parts: list[tuple[Tensor, Tensor, Tensor]]) -> Int4:
 
 
 def mm(x: Tensor, w: Int4) -> Tensor:
-    """x [T, in] (bf16) -> [T, out]."""
-    y: Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), w.packed, GROUP, w.scales_zeros)
-    return y
+    """x [T, in] -> [T, out], in x's dtype; computed with bf16 activations (the kernel's float32 path is
+    not vectorised), so a float32 x is rounded to bf16 on the way in."""
+    a = x.to(w.scales_zeros.dtype).contiguous()
+    y: Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(a, w.packed, GROUP, w.scales_zeros)
+    return y.to(x.dtype)
 
 
 def model_layers(model: Any) -> tuple[dict[str, Int4], ...] | None:

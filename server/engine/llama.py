@@ -195,7 +195,7 @@ def weights_of(
     """The model's weights as plain tensors (packed copies for oneDNN with ``pack`` on CPU), plus rotary
     tables for positions [0, max_positions). With ``keep_plain`` off, a linear layer that has a packed
     copy keeps only that one (see ``release_model_linears`` for the model's own tensors). ``int4``: each
-    layer's 4-bit copies (``int4.model_layers``, scales in the model's dtype), read by steps of at most
+    layer's 4-bit copies (``int4.model_layers``, scales in bf16), read by steps of at most
     ``int4_rows`` tokens."""
     inner = model.model
     layers = []
@@ -235,8 +235,8 @@ def _with_int4(lin: Linear, small: q4.Int4 | None) -> Linear:
     if (small.out_features, small.in_features) != (lin.out_features, lin.in_features):
         shape = (small.out_features, small.in_features)
         raise ValueError(f"a 4-bit copy of {shape} for a weight of {tuple(lin.w.shape)}")
-    if small.scales_zeros.dtype != lin.w.dtype:  # the kernel takes scales in the activations' dtype
-        raise ValueError(f"4-bit scales in {small.scales_zeros.dtype} for a {lin.w.dtype} model")
+    if small.scales_zeros.dtype != torch.bfloat16:  # the kernel's activations and scales are bf16 (int4.mm)
+        raise ValueError(f"4-bit scales in {small.scales_zeros.dtype}, not bfloat16")
     return Linear(lin.w, lin.b, lin.packed, small)
 
 

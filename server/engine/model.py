@@ -51,7 +51,7 @@ class LoadedModel:
     dtype_figures: dict[str, float] = field(default_factory=dict)  # those step times, ms
     decode_kernel: str = "sdpa"  # how decode rows attend (llama.DECODE_KERNELS; measured on CPU)
     kernel_note: str = ""  # how it was chosen, with the measured step times
-    # The layers' 4-bit copies (int4.py; scales in ``dtype``) and up to how many rows a decode step reads
+    # The layers' 4-bit copies (int4.py; scales in bf16) and up to how many rows a decode step reads
     # them (measured on CPU); None and 0 where the checkpoint is not 4-bit or the copies do not win here.
     int4: tuple[dict[str, Any], ...] | None = field(default=None, repr=False)
     int4_rows: int = 0
@@ -191,7 +191,7 @@ def load_model(
     four_bit = exact_int4(loaded, dtype)
     settle_dtype(loaded, dtype, cache_root())
     settle_decode_kernel(loaded, cache_root())
-    settle_int4(loaded, four_bit, cache_root())
+    settle_int4(loaded, four_bit, cache_root(), requested=dtype)
     loaded.load_seconds = time.perf_counter() - t0
     log.info(
         "model.loaded", name=name, device=dev, dtype=str(loaded.dtype), seconds=round(loaded.load_seconds, 2)
@@ -235,8 +235,9 @@ MAX_INT4_ROWS = 4096  # TOKENWIRE_INT4_ROWS's bound: more rows than any step run
 
 def exact_int4(loaded: LoadedModel, requested: str) -> tuple[dict[str, Any], ...] | None:
     """The layers' 4-bit copies when the model, as loaded (float32, on CPU, before any cast), holds
-    exactly 4-bit weights (int4.py), and they might serve: not with ``--dtype float32`` (the kernel
-    takes bf16 activations), not with ``TOKENWIRE_INT4_ROWS=0``. About 0.8 s for SmolLM2-135M."""
+    exactly 4-bit weights (int4.py), and they might serve: not with ``--dtype float32`` (asked for, its
+    numbers stay float32's: the kernel rounds activations to bf16), not with ``TOKENWIRE_INT4_ROWS=0``.
+    About 0.7 s for SmolLM2-135M."""
     import torch
 
     from server.engine import int4, llama
@@ -257,11 +258,15 @@ def exact_int4(loaded: LoadedModel, requested: str) -> tuple[dict[str, Any], ...
 
 
 def settle_int4(
-    loaded: LoadedModel, layers: tuple[dict[str, Any], ...] | None, cache_dir: Path | None = None
+    loaded: LoadedModel,
+    layers: tuple[dict[str, Any], ...] | None,
+    cache_dir: Path | None = None,
+    *,
+    requested: str = "auto",
 ) -> None:
-    """Up to how many rows a decode step reads the 4-bit copies: none unless the model is 4-bit and
-    serves in bf16 on CPU; then measured (dtype.pick_int4_rows), logged and remembered, or named by
-    ``TOKENWIRE_INT4_ROWS=N`` (0 turns them off)."""
+    """Up to how many rows a decode step reads the 4-bit copies: none unless the model is 4-bit, on CPU,
+    in bf16 or (with ``--dtype auto``) float32; then measured (dtype.pick_int4_rows), logged and
+    remembered, or named by ``TOKENWIRE_INT4_ROWS=N`` (0 turns them off)."""
     import torch
 
     named = os.environ.get("TOKENWIRE_INT4_ROWS", "")
@@ -269,8 +274,9 @@ def settle_int4(
         raise ValueError(f"TOKENWIRE_INT4_ROWS={named}: a number of rows, 0 to {MAX_INT4_ROWS}")
     if loaded.device != "cpu":
         return  # nothing to say: a GPU reads its weights at its own speed
-    if loaded.dtype != torch.bfloat16:
-        loaded.int4_note = f"off (serving {loaded.dtype_name}: the 4-bit kernel takes bf16 activations)"
+    if requested == "float32" or loaded.dtype not in (torch.float32, torch.bfloat16):
+        # Asked for float32: its numbers stay float32's (the 4-bit kernel's activations are bf16).
+        loaded.int4_note = f"off ({loaded.dtype_name} as asked)"
         return
     if named == "0":
         loaded.int4_note = "off (TOKENWIRE_INT4_ROWS=0)"
@@ -292,7 +298,7 @@ def settle_int4(
         how = "remembered for this CPU, torch and model" if choice.remembered else "measured now"
         loaded.int4_note = (
             f"up to {rows} rows (a 1-row decode step took {f['int4_1_ms']:.1f} ms on them, "
-            f"{f['plain_1_ms']:.1f} ms on the packed bf16 weights; {how})"
+            f"{f['plain_1_ms']:.1f} ms on the packed {loaded.dtype_name} weights; {how})"
             if rows
             else f"off (no faster here: 1 row {f['int4_1_ms']:.1f} against {f['plain_1_ms']:.1f} ms; {how})"
         )

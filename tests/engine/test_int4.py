@@ -58,11 +58,16 @@ def test_the_4bit_gemm_computes_the_float_weights() -> None:
     assert float((got - want).abs().max()) <= max(2 * float((plain - want).abs().max()), 0.02 * scale)
 
 
+@pytest.mark.parametrize(
+    ("asked", "serves"),
+    [("bfloat16", torch.bfloat16), ("auto", torch.float32)],  # auto: the tiny model is too small for bf16
+)
 def test_a_named_row_count_runs_small_steps_on_4_bits(
-    four_bit_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    four_bit_model_dir: Path, monkeypatch: pytest.MonkeyPatch, asked: str, serves: torch.dtype
 ) -> None:
     monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "3")
-    m = load_model(four_bit_model_dir, dtype="bfloat16")
+    m = load_model(four_bit_model_dir, dtype=asked)
+    assert m.dtype == serves
     assert m.int4 is not None and m.int4_rows == 3 and "TOKENWIRE_INT4_ROWS" in m.int4_note
     shape = llama.shape_of(m.model)
     fours = llama.weights_of(m.model, 64, int4=m.int4, int4_rows=m.int4_rows)
@@ -79,7 +84,7 @@ def test_a_named_row_count_runs_small_steps_on_4_bits(
         calls.clear()
         logits = {}
         for name, w in (("int4", fours), ("plain", plain)):
-            cache = llama.Cache(shape, [(rows, 64)], dtype=torch.bfloat16, device="cpu")
+            cache = llama.Cache(shape, [(rows, 64)], dtype=serves, device="cpu")
             torch.manual_seed(rows)
             ids = torch.randint(3, shape.vocab, (rows,))
             layout = llama.StepLayout(
@@ -93,7 +98,7 @@ def test_a_named_row_count_runs_small_steps_on_4_bits(
                         tok_hi=rows,
                         n_slots=rows,
                         length=1,
-                        mask=torch.zeros(rows, 1, 1, 1, dtype=torch.bfloat16),
+                        mask=torch.zeros(rows, 1, 1, 1, dtype=serves),
                         rows=None,
                     )
                 ],
@@ -102,6 +107,7 @@ def test_a_named_row_count_runs_small_steps_on_4_bits(
             )
             with torch.inference_mode():
                 logits[name] = llama.forward(w, shape, cache, layout)
+            assert logits[name].dtype == torch.float32
         # 4 GEMMs a layer on 4 bits at up to 3 rows; none past them (the LM head never: not 4-bit)
         assert calls == ([rows] * 4 * shape.n_layers if on else [])
         spread = float(logits["plain"].abs().max())
@@ -142,12 +148,12 @@ def test_the_runner_serves_on_4_bits_with_one_copy(
         assert_matches(ref, p, got.tokens[f"r{i}"], generate(ref, p, 16), bf16_steps=8)
 
 
-def test_off_unless_a_4bit_checkpoint_serves_bf16_on_cpu(
+def test_off_unless_a_4bit_checkpoint_runs_on_cpu_and_float32_was_not_asked_for(
     four_bit_model_dir: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "4")
     f32 = load_model(four_bit_model_dir, dtype="float32")
-    assert f32.int4 is None and f32.int4_rows == 0 and "serving float32" in f32.int4_note
+    assert f32.int4 is None and f32.int4_rows == 0 and "float32 as asked" in f32.int4_note
     plain = load_model(tiny_model_dir, dtype="bfloat16")
     assert plain.int4 is None and "not 4-bit" in plain.int4_note
     monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "0")

@@ -2,13 +2,15 @@
 
 The floor of a decode step at R rows is the time of the model's linear layers and its LM head on R rows,
 nothing else (no attention, norms, rotary, sampling or bookkeeping), through the same GEMM calls the
-engine makes (``llama.linear``: oneDNN on packed weights, or MKL/cuBLAS). The engine's median decode
+engine makes (``llama.linear``: oneDNN on packed weights, the 4-bit copies at a few rows where a
+checkpoint is 4-bit, or MKL/cuBLAS). The engine's median decode
 step over that floor at the same R is how close a step comes to what the hardware can do for its GEMMs.
 
 The floor leaves attention out, and attention is memory traffic: a decode row's query reads every key and
 value of its sequence, 2 FLOPs per number read. So the **roofline** of a step is the larger of the floor
 and the time to read what the step must read at the machine's read bandwidth, measured in the same run:
-every weight of the linear layers and LM head in the step's dtype once, plus every decode row's KV at its
+every weight of the linear layers and LM head in the step's dtype once (the layers' 4-bit copies where
+the step reads those), plus every decode row's KV at its
 real (live) length. ``step_over_roofline`` is the median decode step over its own roofline.
 
 Attention's FLOPs are left out of the roofline on purpose: at one query per row they are 2 per KV number,

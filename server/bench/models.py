@@ -124,8 +124,9 @@ def random_model(spec: str, device: str, dtype: str) -> LoadedModel:
         dtype=torch.float32,
         load_seconds=0.0,
     )
-    from server.engine.model import settle_decode_kernel, settle_dtype
+    from server.engine.model import named_int4_rows, settle_decode_kernel, settle_dtype
 
+    named_int4_rows()  # checked, though random weights are never 4-bit: a typo is never ignored
     settle_dtype(loaded, dtype)
     settle_decode_kernel(loaded)
     loaded.load_seconds = time.perf_counter() - t0

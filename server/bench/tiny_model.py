@@ -91,8 +91,13 @@ def build_tiny_model(
 def q4_1_grid(w: Any) -> Any:
     """``w`` [out, in] rounded as GGUF's Q4_1 does: per 32 inputs, low = min, scale = (max - min) / 15,
     each value low + scale * round((value - low) / scale)."""
+    import torch
+
     n, k = w.shape
+    if k % 32:
+        raise ValueError(f"{k} inputs: Q4_1 groups 32")
     groups = w.detach().float().reshape(n, k // 32, 32)
     low = groups.amin(-1, keepdim=True)
     scale = (groups.amax(-1, keepdim=True) - low) / 15
-    return (low + scale * ((groups - low) / scale).round()).reshape(n, k)
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group stays itself
+    return (low + scale * ((groups - low) / step).round()).reshape(n, k)

@@ -12,7 +12,7 @@ a lone user or a quiet server, and which row counts it wins is measured at load
 (``dtype.pick_int4_rows``), never assumed. Its float32 path is not vectorised (100 ms at one row), so it
 runs with bf16 activations only: a CPU serving float32 (chosen by ``--dtype auto``; never when float32 is
 asked for) rounds a small step's activations to bf16 for these GEMMs, and a 1-row step of that Xeon
-took 21.4 ms so against 45.7 in float32.
+took 20.8 ms so against 45.0 in float32 (the load's measurement).
 
 Nothing is quantised here: ``exact`` finds a weight's grid and returns None unless every value lies on
 it, to float32 precision. A checkpoint in bf16 or float32 that was never 4-bit keeps its plain GEMMs. The

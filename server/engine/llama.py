@@ -52,8 +52,8 @@ class Linear:
     """A linear layer's weight [out, in] (and bias [out]), with a oneDNN-packed copy on CPU.
 
     Once the packed copy exists, ``w`` may be a meta tensor (its shape, no memory): every CPU GEMM reads
-    the packed copy, so the plain one is dropped to keep one copy of the weights (``weights_of(...,
-    keep_plain=False)``)."""
+    the packed copy (or, in a step of a few tokens, ``int4``), so the plain one is dropped to keep one
+    copy of the weights (``weights_of(..., keep_plain=False)``)."""
 
     w: Tensor
     b: Tensor | None = None
@@ -232,6 +232,8 @@ def weights_of(
 def _with_int4(lin: Linear, small: q4.Int4 | None) -> Linear:
     if small is None:
         return lin
+    if lin.b is not None:  # the 4-bit GEMM (linear) adds no bias; int4.model_layers never offers one
+        raise ValueError("a 4-bit copy for a linear layer with a bias")
     if (small.out_features, small.in_features) != (lin.out_features, lin.in_features):
         shape = (small.out_features, small.in_features)
         raise ValueError(f"a 4-bit copy of {shape} for a weight of {tuple(lin.w.shape)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -158,11 +159,12 @@ def load_model(
         path = Path(model_dir)
         name = path.name
     dev = pick_device(device)
+    named = named_int4_rows()  # a bad TOKENWIRE_INT4_ROWS fails the start before anything loads
     if dtype == "auto":
         # bf16 on CUDA; on CPU fp32 first, then measured against bf16 (settle_dtype).
         torch_dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-    elif dtype == "bfloat16" and not dev.startswith("cuda"):
-        # fp32 first on CPU too, cast by settle_dtype: a 4-bit checkpoint's grid is found in fp32 (int4.py).
+    elif dtype == "bfloat16" and not dev.startswith("cuda") and may_hold_4bit(path, named):
+        # fp32 first, cast by settle_dtype: a 4-bit checkpoint's grid is found in fp32 (int4.py).
         torch_dtype = torch.float32
     else:
         torch_dtype = getattr(torch, dtype)
@@ -188,10 +190,10 @@ def load_model(
         dtype=torch_dtype,
         load_seconds=0.0,
     )
-    four_bit = exact_int4(loaded, dtype)
+    four_bit = exact_int4(loaded, dtype, named)
     settle_dtype(loaded, dtype, cache_root())
     settle_decode_kernel(loaded, cache_root())
-    settle_int4(loaded, four_bit, cache_root(), requested=dtype)
+    settle_int4(loaded, four_bit, cache_root(), requested=dtype, named=named)
     loaded.load_seconds = time.perf_counter() - t0
     log.info(
         "model.loaded", name=name, device=dev, dtype=str(loaded.dtype), seconds=round(loaded.load_seconds, 2)
@@ -233,23 +235,59 @@ def settle_decode_kernel(loaded: LoadedModel, cache_dir: Path | None = None) -> 
 MAX_INT4_ROWS = 4096  # TOKENWIRE_INT4_ROWS's bound: more rows than any step runs
 
 
-def exact_int4(loaded: LoadedModel, requested: str) -> tuple[dict[str, Any], ...] | None:
+def named_int4_rows() -> int | None:
+    """``TOKENWIRE_INT4_ROWS`` as a row count (0: the 4-bit copies never serve), None when unset; a value
+    that is not one is a clear error, whatever the model."""
+    named = os.environ.get("TOKENWIRE_INT4_ROWS", "")
+    if not named:
+        return None
+    if not (named.isascii() and named.isdigit() and int(named) <= MAX_INT4_ROWS):
+        raise ValueError(f"TOKENWIRE_INT4_ROWS={named}: a number of rows, 0 to {MAX_INT4_ROWS}")
+    return int(named)
+
+
+def may_hold_4bit(path: Path, named: int | None) -> bool:
+    """Whether the checkpoint at ``path`` could hold exact 4-bit weights for the engine (a float32 Llama
+    as its config says), so that ``--dtype bfloat16`` on CPU loads it in float32 first to look: anything
+    else loads in bf16 as asked, at half the memory (and keeps the modules transformers keeps in float32)."""
+    from server.engine import llama
+
+    if named == 0:
+        return False
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    stored = config.get("dtype", config.get("torch_dtype")) if isinstance(config, dict) else None
+    return (
+        isinstance(config, dict)
+        and config.get("model_type") in llama.LLAMA_FAMILY
+        and stored in (None, "float32")
+    )
+
+
+def exact_int4(
+    loaded: LoadedModel, requested: str, named: int | None = None
+) -> tuple[dict[str, Any], ...] | None:
     """The layers' 4-bit copies when the model, as loaded (float32, on CPU, before any cast), holds
     exactly 4-bit weights (int4.py), and they might serve: not with ``--dtype float32`` (asked for, its
-    numbers stay float32's: the kernel rounds activations to bf16), not with ``TOKENWIRE_INT4_ROWS=0``.
-    About 0.7 s for SmolLM2-135M."""
+    numbers stay float32's: the kernel rounds activations to bf16), not with ``TOKENWIRE_INT4_ROWS=0``,
+    not for a model too small to time (unless a row count is named). About 0.7 s for SmolLM2-135M."""
     import torch
 
+    from server.engine import dtype as dtype_mod
     from server.engine import int4, llama
 
     if (
         loaded.device != "cpu"
         or loaded.dtype != torch.float32
         or requested == "float32"
-        or os.environ.get("TOKENWIRE_INT4_ROWS") == "0"
+        or named == 0
         or llama.unsupported_reason(loaded.model) is not None
     ):
         return None
+    if named is None and sum(p.numel() for p in loaded.model.parameters()) < dtype_mod.SMALL_MODEL_PARAMS:
+        return None  # settle_int4 says why
     t0 = time.perf_counter()
     layers = int4.model_layers(loaded.model)
     if layers is not None:
@@ -263,37 +301,38 @@ def settle_int4(
     cache_dir: Path | None = None,
     *,
     requested: str = "auto",
+    named: int | None = None,
 ) -> None:
     """Up to how many rows a decode step reads the 4-bit copies: none unless the model is 4-bit, on CPU,
     in bf16 or (with ``--dtype auto``) float32; then measured (dtype.pick_int4_rows), logged and
-    remembered, or named by ``TOKENWIRE_INT4_ROWS=N`` (0 turns them off)."""
+    remembered, or ``named`` (``TOKENWIRE_INT4_ROWS``; 0 turns them off)."""
     import torch
 
-    named = os.environ.get("TOKENWIRE_INT4_ROWS", "")
-    if named and not (named.isascii() and named.isdigit() and int(named) <= MAX_INT4_ROWS):
-        raise ValueError(f"TOKENWIRE_INT4_ROWS={named}: a number of rows, 0 to {MAX_INT4_ROWS}")
+    from server.engine import dtype as dtype_mod
+
     if loaded.device != "cpu":
         return  # nothing to say: a GPU reads its weights at its own speed
     if requested == "float32" or loaded.dtype not in (torch.float32, torch.bfloat16):
         # Asked for float32: its numbers stay float32's (the 4-bit kernel's activations are bf16).
         loaded.int4_note = f"off ({loaded.dtype_name} as asked)"
         return
-    if named == "0":
+    if named == 0:
         loaded.int4_note = "off (TOKENWIRE_INT4_ROWS=0)"
         return
     if layers is None:
-        loaded.int4_note = "off (the checkpoint's weights are not 4-bit)"
+        if named is None and dtype_mod._measurable_params(loaded.model) is None:
+            loaded.int4_note = "off (model too small to measure, or not on the Llama path)"
+        else:
+            loaded.int4_note = "off (the layers' weights are not exactly 4-bit, bias-free, float32 at load)"
         return
     layers = tuple({name: w.to(torch.bfloat16) for name, w in layer.items()} for layer in layers)
-    if named:
-        rows, loaded.int4_note = int(named), f"up to {int(named)} rows (TOKENWIRE_INT4_ROWS)"
+    if named is not None:
+        rows, loaded.int4_note = named, f"up to {named} rows (TOKENWIRE_INT4_ROWS)"
     else:
-        from server.engine.dtype import pick_int4_rows
-
-        choice = pick_int4_rows(loaded.model, layers, loaded.decode_kernel, cache_dir)
+        choice = dtype_mod.pick_int4_rows(loaded.model, layers, loaded.decode_kernel, cache_dir)
         rows, f = choice.rows, choice.figures
-        if not f:
-            loaded.int4_note = "off (model too small to measure: its steps are overhead, not weights)"
+        if not f:  # exact_int4 offers no copies for such a model: kept as a guard, not a path
+            loaded.int4_note = "off (model too small to measure)"
             return
         how = "remembered for this CPU, torch and model" if choice.remembered else "measured now"
         loaded.int4_note = (

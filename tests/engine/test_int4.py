@@ -4,6 +4,7 @@ only when serving bf16 on CPU."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from server.bench.tiny_model import q4_1_grid
 from server.engine import dtype as dtype_mod
 from server.engine import int4, llama
 from server.engine.api import SamplingParams
-from server.engine.model import load_model
+from server.engine.model import load_model, may_hold_4bit
 from server.engine.runner import Runner
 from tests.engine.test_runner import PROMPTS, Req, assert_matches, chat, drive, generate
 
@@ -41,6 +42,53 @@ def test_exact_finds_a_q4_1_grid_and_nothing_else() -> None:
     assert int4.exact(torch.randn(64, 96)) is None  # plain float weights: never quantised here
     assert int4.exact(w.bfloat16()) is None  # only the float32 load holds the grid exactly
     assert int4.exact(_grid(64, 96)[:, :80]) is None  # inputs not a whole number of groups
+
+
+def test_exact_finds_a_grid_made_as_gguf_makes_it() -> None:
+    # A Q4_1 block stores its scale d and minimum m in float16; dequantising computes q * d + m in float32.
+    torch.manual_seed(3)
+    n, k = 48, 64
+    q = torch.randint(0, 16, (n, k // 32, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15  # the quantiser's own minimum and maximum
+    d = (torch.rand(n, k // 32, 1) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(n, k // 32, 1) * 0.3).half().float()
+    w = (q * d + m).reshape(n, k)
+    form = int4.exact(w)
+    assert form is not None
+    back = form[2].repeat_interleave(32, 1) + form[0].float() * form[1].repeat_interleave(32, 1)
+    torch.testing.assert_close(back, w, rtol=0, atol=1e-6)
+    assert torch.equal(form[0].reshape(n, k // 32, 32).float(), q)
+
+
+def test_a_layer_with_a_bias_or_an_odd_width_keeps_its_plain_gemms() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for extra in ({"attention_bias": True}, {"intermediate_size": 40}):
+        torch.manual_seed(0)
+        cfg: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+        cfg.update(num_key_value_heads=2, **extra)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, num_hidden_layers=1, **cfg))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".layers." in name and p.dim() == 2 and p.shape[1] % 32 == 0:
+                    p.copy_(q4_1_grid(p))
+        assert int4.model_layers(model) is None, extra
+
+
+def test_only_a_float32_llama_checkpoint_is_loaded_in_float32_to_look(tmp_path: Path) -> None:
+    def config(**fields: Any) -> Path:
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(fields))
+        return folder
+
+    assert may_hold_4bit(config(model_type="llama", torch_dtype="float32"), None)
+    assert may_hold_4bit(config(model_type="qwen2", dtype="float32"), 8)
+    assert may_hold_4bit(config(model_type="llama"), None)  # no dtype stored: float32 by default
+    assert not may_hold_4bit(config(model_type="llama", torch_dtype="float32"), 0)  # turned off
+    assert not may_hold_4bit(config(model_type="llama", torch_dtype="bfloat16"), None)
+    assert not may_hold_4bit(config(model_type="gpt2", torch_dtype="float32"), None)
+    assert not may_hold_4bit(tmp_path / "nowhere", None)
 
 
 def test_the_4bit_gemm_computes_the_float_weights() -> None:
@@ -155,10 +203,11 @@ def test_off_unless_a_4bit_checkpoint_runs_on_cpu_and_float32_was_not_asked_for(
     f32 = load_model(four_bit_model_dir, dtype="float32")
     assert f32.int4 is None and f32.int4_rows == 0 and "float32 as asked" in f32.int4_note
     plain = load_model(tiny_model_dir, dtype="bfloat16")
-    assert plain.int4 is None and "not 4-bit" in plain.int4_note
-    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "0")
-    off = load_model(four_bit_model_dir, dtype="bfloat16")
-    assert off.int4 is None and off.int4_rows == 0 and "TOKENWIRE_INT4_ROWS=0" in off.int4_note
+    assert plain.int4 is None and "not exactly 4-bit" in plain.int4_note
+    for zero in ("0", "00"):
+        monkeypatch.setenv("TOKENWIRE_INT4_ROWS", zero)
+        off = load_model(four_bit_model_dir, dtype="bfloat16")
+        assert off.int4 is None and off.int4_rows == 0 and "TOKENWIRE_INT4_ROWS=0" in off.int4_note
     for bad in ("many", "-1", "4097", "٣"):
         monkeypatch.setenv("TOKENWIRE_INT4_ROWS", bad)
         with pytest.raises(ValueError, match=f"TOKENWIRE_INT4_ROWS={bad}: a number of rows, 0 to 4096"):

@@ -77,14 +77,21 @@ def test_the_roofline_is_the_larger_of_the_floor_and_the_reads() -> None:
 
     floor = {4: 0.010, 8: 0.020}
     steps = [
-        StepRecord(4, 0, 0.030, kv_tokens=10_000),  # reads 5 MB + 10 MB = 15 ms at 1 GB/s: memory-bound
-        StepRecord(8, 0, 0.030, kv_tokens=1_000),  # reads 6 MB = 6 ms: the 20 ms floor binds
-        StepRecord(8, 0, 0.044, kv_tokens=2_000),
+        StepRecord(4, 0, 0.030, kv_tokens=10_000),  # reads 2 MB + 10 MB = 12 ms at 1 GB/s: memory-bound
+        StepRecord(8, 0, 0.030, kv_tokens=1_000),  # reads 5 MB + 1 MB = 6 ms: the 20 ms floor binds
+        StepRecord(8, 0, 0.044, kv_tokens=2_000),  # 7 ms of reads: the floor binds
         StepRecord(16, 0, 1.0, kv_tokens=5),  # no floor measured at 16 rows: not compared
     ]
-    out = fl.roofline(steps, floor, bandwidth=1e9, weights=lambda rows: 5_000_000, kv_per_token=1_000)
-    assert out["step_over_roofline"] == 2.0  # median of 30/15, 30/20, 44/20
-    assert out["median_step"]["rows"] == 4 and out["median_step"]["memory_ms"] == 15.0
+
+    def weights(rows: int) -> int:  # a step of up to 4 rows reads 4-bit copies, 2 MB; a larger one 5 MB
+        return 2_000_000 if rows <= 4 else 5_000_000
+
+    out = fl.roofline(steps, floor, bandwidth=1e9, weights=weights, kv_per_token=1_000)
+    assert out["step_over_roofline"] == 2.2  # median of 30/12, 30/20, 44/20
+    m = out["median_step"]
+    assert m["rows"] == 8 and m["ms"] == 44.0 and m["memory_ms"] == 7.0 and out["weight_mb"] == 5.0
+    small = fl.roofline(steps[:1], floor, bandwidth=1e9, weights=weights, kv_per_token=1_000)
+    assert small["step_over_roofline"] == 2.5 and small["weight_mb"] == 2.0
     none = fl.roofline(steps[3:], floor, bandwidth=1e9, weights=lambda rows: 1, kv_per_token=1)
     assert none == {"step_over_roofline": None}
 

@@ -188,6 +188,24 @@ class Int4Choice(NamedTuple):
     remembered: bool = False
 
 
+def int4_known_useless(model: Any, requested: str, cache_dir: Path | None) -> bool:
+    """Whether an earlier start on this machine found the 4-bit copies no faster for this model in the
+    dtype it will serve (``requested``, or the remembered ``auto`` choice), so that a start need not
+    look for them (0.7 s for SmolLM2-135M). False when anything is unknown: then they are looked for."""
+    n_params = _measurable_params(model)
+    if n_params is None or requested not in ("auto", "bfloat16"):
+        return False
+    serves = requested
+    if requested == "auto":
+        known = _remembered(cache_dir, _choice_key(model, n_params), figures=("float32_ms", "bfloat16_ms"))
+        if known is None:
+            return False
+        serves = str(known["chosen"])
+    key = f"{_choice_key(model, n_params)}:int4-rows:{serves}"
+    entry = _remembered(cache_dir, key, allowed=tuple(str(r) for r in (0, *INT4_ROWS)))
+    return entry is not None and entry["chosen"] == "0"
+
+
 def pick_int4_rows(model: Any, layers: Any, kernel: str, cache_dir: Path | None = None) -> Int4Choice:
     """Up to how many rows a decode step runs faster on the layers' 4-bit copies (``int4.py``; ``layers``
     as ``int4.model_layers`` gives them, scales in bf16) than on the packed weights: a

@@ -288,6 +288,9 @@ def exact_int4(
         return None
     if named is None and sum(p.numel() for p in loaded.model.parameters()) < dtype_mod.SMALL_MODEL_PARAMS:
         return None  # settle_int4 says why
+    if named is None and dtype_mod.int4_known_useless(loaded.model, requested, cache_root()):
+        log.info("model.int4_skipped", why="an earlier start measured them no faster here")
+        return None
     t0 = time.perf_counter()
     layers = int4.model_layers(loaded.model)
     if layers is not None:
@@ -322,6 +325,8 @@ def settle_int4(
     if layers is None:
         if named is None and dtype_mod._measurable_params(loaded.model) is None:
             loaded.int4_note = "off (model too small to measure, or not on the Llama path)"
+        elif named is None and dtype_mod.int4_known_useless(loaded.model, requested, cache_dir):
+            loaded.int4_note = "off (an earlier start on this machine measured them no faster)"
         else:
             loaded.int4_note = "off (the layers' weights are not exactly 4-bit, bias-free, float32 at load)"
         return

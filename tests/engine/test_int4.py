@@ -256,6 +256,7 @@ def timed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[flo
 )
 def test_the_row_count_is_measured_then_remembered(
     four_bit_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
     timed: Callable[[list[float]], list[str]],
     seconds: list[float],
     rows: int,
@@ -266,9 +267,16 @@ def test_the_row_count_is_measured_then_remembered(
     assert len(log) == len(dtype_mod.INT4_ROWS)
     assert m.int4_rows == rows and (m.int4 is not None) == bool(rows)
     assert "measured now" in m.int4_note
+    found: list[int] = []
+    real = int4.model_layers
+    monkeypatch.setattr(int4, "model_layers", lambda model: found.append(1) or real(model))
     again = load_model(four_bit_model_dir, dtype="bfloat16")
     assert len(log) == len(dtype_mod.INT4_ROWS)  # nothing timed the second time
-    assert again.int4_rows == rows and "remembered" in again.int4_note
+    assert again.int4_rows == rows
+    if rows:
+        assert "remembered" in again.int4_note and found == [1]
+    else:  # measured no faster: a later start does not even look for the grid
+        assert "measured them no faster" in again.int4_note and found == []
 
 
 def test_the_roofline_counts_the_4bit_bytes_at_small_rows(

@@ -106,20 +106,9 @@ def test_the_4bit_gemm_computes_the_float_weights() -> None:
     assert float((got - want).abs().max()) <= max(2 * float((plain - want).abs().max()), 0.02 * scale)
 
 
-@pytest.mark.parametrize(
-    ("asked", "serves"),
-    [("bfloat16", torch.bfloat16), ("auto", torch.float32)],  # auto: the tiny model is too small for bf16
-)
-def test_a_named_row_count_runs_small_steps_on_4_bits(
-    four_bit_model_dir: Path, monkeypatch: pytest.MonkeyPatch, asked: str, serves: torch.dtype
-) -> None:
-    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "3")
-    m = load_model(four_bit_model_dir, dtype=asked)
-    assert m.dtype == serves
-    assert m.int4 is not None and m.int4_rows == 3 and "TOKENWIRE_INT4_ROWS" in m.int4_note
-    shape = llama.shape_of(m.model)
-    fours = llama.weights_of(m.model, 64, int4=m.int4, int4_rows=m.int4_rows)
-    plain = llama.weights_of(m.model, 64)
+@pytest.fixture
+def mm_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every 4-bit GEMM (int4.mm) run while the test lasts."""
     calls: list[int] = []
     real = int4.mm
 
@@ -128,8 +117,29 @@ def test_a_named_row_count_runs_small_steps_on_4_bits(
         return real(x, w)
 
     monkeypatch.setattr(int4, "mm", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("asked", "serves"),
+    [("bfloat16", torch.bfloat16), ("auto", torch.float32)],  # auto: the tiny model is too small for bf16
+)
+def test_a_named_row_count_runs_small_steps_on_4_bits(
+    four_bit_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    mm_calls: list[int],
+    asked: str,
+    serves: torch.dtype,
+) -> None:
+    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "3")
+    m = load_model(four_bit_model_dir, dtype=asked)
+    assert m.dtype == serves
+    assert m.int4 is not None and m.int4_rows == 3 and "TOKENWIRE_INT4_ROWS" in m.int4_note
+    shape = llama.shape_of(m.model)
+    fours = llama.weights_of(m.model, 64, int4=m.int4, int4_rows=m.int4_rows)
+    plain = llama.weights_of(m.model, 64)
     for rows, on in [(1, True), (3, True), (4, False)]:
-        calls.clear()
+        mm_calls.clear()
         logits = {}
         for name, w in (("int4", fours), ("plain", plain)):
             cache = llama.Cache(shape, [(rows, 64)], dtype=serves, device="cpu")
@@ -157,14 +167,14 @@ def test_a_named_row_count_runs_small_steps_on_4_bits(
                 logits[name] = llama.forward(w, shape, cache, layout)
             assert logits[name].dtype == torch.float32
         # 4 GEMMs a layer on 4 bits at up to 3 rows; none past them (the LM head never: not 4-bit)
-        assert calls == ([rows] * 4 * shape.n_layers if on else [])
+        assert mm_calls == ([rows] * 4 * shape.n_layers if on else [])
         spread = float(logits["plain"].abs().max())
         assert float((logits["int4"] - logits["plain"]).abs().max()) <= 0.05 * spread
         assert torch.equal(logits["int4"].argmax(-1), logits["plain"].argmax(-1))
 
 
 def test_the_runner_serves_on_4_bits_with_one_copy(
-    four_bit_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    four_bit_model_dir: Path, monkeypatch: pytest.MonkeyPatch, mm_calls: list[int]
 ) -> None:
     monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "4")
     ref, m = (
@@ -172,14 +182,6 @@ def test_the_runner_serves_on_4_bits_with_one_copy(
         load_model(four_bit_model_dir, dtype="bfloat16"),
     )
     assert m.int4 is not None
-    calls: list[int] = []
-    real = int4.mm
-
-    def spy(x: torch.Tensor, w: int4.Int4) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, w)
-
-    monkeypatch.setattr(int4, "mm", spy)
     pools = ((4, 256),)
     runner = Runner(m.model, pools, device="cpu", dtype=m.dtype, keep_plain=False, int4=m.int4, int4_rows=4)
     runner.weights, _ = llama.release_model_linears(m.model, runner.weights)
@@ -190,7 +192,7 @@ def test_the_runner_serves_on_4_bits_with_one_copy(
     got = drive(
         m, [Req(f"r{i}", p, greedy, join=4 * i) for i, p in enumerate(prompts)], pools=pools, runner=runner
     )
-    assert calls and max(calls) <= 4  # decode steps of 1-3 rows ran on 4 bits; prefills never did
+    assert mm_calls and max(mm_calls) <= 4  # steps of at most 4 tokens ran on 4 bits, the rest did not
     for i, p in enumerate(prompts):
         # The same tokens as transformers on the bf16 weights, up to a near tie in bf16.
         assert_matches(ref, p, got.tokens[f"r{i}"], generate(ref, p, 16), bf16_steps=8)

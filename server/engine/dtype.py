@@ -188,10 +188,11 @@ class Int4Choice(NamedTuple):
     remembered: bool = False
 
 
-def int4_known_useless(model: Any, requested: str, cache_dir: Path | None) -> bool:
-    """Whether an earlier start on this machine found the 4-bit copies no faster for this model in the
-    dtype it will serve (``requested``, or the remembered ``auto`` choice), so that a start need not
-    look for them (0.7 s for SmolLM2-135M). False when anything is unknown: then they are looked for."""
+def int4_known_unused(model: Any, requested: str, cache_dir: Path | None) -> bool:
+    """Whether this start will not use the 4-bit copies unless named, as far as the choices remembered
+    on this machine tell: ``auto`` will serve float32 (the copies serve bf16 unless named), or an earlier
+    start measured them no faster in the dtype it will serve. Then a start need not look for them (0.7 s
+    for SmolLM2-135M). False when anything is unknown: then they are looked for."""
     n_params = _measurable_params(model)
     if n_params is None or requested not in ("auto", "bfloat16"):
         return False
@@ -201,6 +202,8 @@ def int4_known_useless(model: Any, requested: str, cache_dir: Path | None) -> bo
         if known is None:
             return False
         serves = str(known["chosen"])
+    if serves == "float32":
+        return True
     key = f"{_choice_key(model, n_params)}:int4-rows:{serves}"
     entry = _remembered(cache_dir, key, allowed=tuple(str(r) for r in (0, *INT4_ROWS)))
     return entry is not None and entry["chosen"] == "0"

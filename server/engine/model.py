@@ -288,9 +288,8 @@ def exact_int4(
         return None
     if named is None and sum(p.numel() for p in loaded.model.parameters()) < dtype_mod.SMALL_MODEL_PARAMS:
         return None  # settle_int4 says why
-    if named is None and dtype_mod.int4_known_useless(loaded.model, requested, cache_root()):
-        log.info("model.int4_skipped", why="an earlier start measured them no faster here")
-        return None
+    if named is None and dtype_mod.int4_known_unused(loaded.model, requested, cache_root()):
+        return None  # settle_int4 says why
     t0 = time.perf_counter()
     layers = int4.model_layers(loaded.model)
     if layers is not None:
@@ -306,9 +305,10 @@ def settle_int4(
     requested: str = "auto",
     named: int | None = None,
 ) -> None:
-    """Up to how many rows a decode step reads the 4-bit copies: none unless the model is 4-bit, on CPU,
-    in bf16 or (with ``--dtype auto``) float32; then measured (dtype.pick_int4_rows), logged and
-    remembered, or ``named`` (``TOKENWIRE_INT4_ROWS``; 0 turns them off)."""
+    """Up to how many rows a decode step reads the 4-bit copies: none unless the model is 4-bit and on
+    CPU; in bf16, measured (dtype.pick_int4_rows), logged and remembered, or ``named``
+    (``TOKENWIRE_INT4_ROWS``; 0 turns them off); in float32 (``--dtype auto``'s choice, never as asked)
+    only when named."""
     import torch
 
     from server.engine import dtype as dtype_mod
@@ -322,10 +322,16 @@ def settle_int4(
     if named == 0:
         loaded.int4_note = "off (TOKENWIRE_INT4_ROWS=0)"
         return
+    if loaded.dtype == torch.float32 and named is None:
+        # Measured faster on an AMX Xeon made to serve float32, but they add ~70 MiB to the ~950 an idle
+        # float32 server holds (issue 26 keeps it under 1 GB), and no CPU that chooses float32 itself
+        # has timed them yet: asked for, not assumed.
+        loaded.int4_note = "off in float32 unless TOKENWIRE_INT4_ROWS=N asks (about 70 MiB more)"
+        return
     if layers is None:
         if named is None and dtype_mod._measurable_params(loaded.model) is None:
             loaded.int4_note = "off (model too small to measure, or not on the Llama path)"
-        elif named is None and dtype_mod.int4_known_useless(loaded.model, requested, cache_dir):
+        elif named is None and dtype_mod.int4_known_unused(loaded.model, requested, cache_dir):
             loaded.int4_note = "off (an earlier start on this machine measured them no faster)"
         else:
             loaded.int4_note = "off (the layers' weights are not exactly 4-bit, bias-free, float32 at load)"

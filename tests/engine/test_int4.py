@@ -204,6 +204,11 @@ def test_off_unless_a_4bit_checkpoint_runs_on_cpu_and_float32_was_not_asked_for(
     monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "4")
     f32 = load_model(four_bit_model_dir, dtype="float32")
     assert f32.int4 is None and f32.int4_rows == 0 and "float32 as asked" in f32.int4_note
+    monkeypatch.delenv("TOKENWIRE_INT4_ROWS")
+    auto = load_model(four_bit_model_dir)  # auto serves float32 (too small for bf16): only when asked
+    assert auto.dtype == torch.float32 and auto.int4 is None
+    assert "unless TOKENWIRE_INT4_ROWS" in auto.int4_note
+    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "4")
     plain = load_model(tiny_model_dir, dtype="bfloat16")
     assert plain.int4 is None and "not exactly 4-bit" in plain.int4_note
     for zero in ("0", "00"):

@@ -286,6 +286,22 @@ def test_the_row_count_is_measured_then_remembered(
         assert "measured them no faster" in again.int4_note and found == []
 
 
+def test_a_start_that_will_serve_float32_does_not_look_for_the_grid(
+    four_bit_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    timed: Callable[[list[float]], list[str]],
+) -> None:
+    monkeypatch.setattr(dtype_mod, "interleaved_seconds", lambda *models: [1.0, 0.95])  # a near tie: fp32
+    found: list[int] = []
+    real = int4.model_layers
+    monkeypatch.setattr(int4, "model_layers", lambda model: found.append(1) or real(model))
+    first = load_model(four_bit_model_dir)  # auto: the dtype is not known yet, so the grid is looked for
+    assert first.dtype == torch.float32 and found == [1] and first.int4 is None
+    again = load_model(four_bit_model_dir)  # the remembered choice is float32: nothing to look for
+    assert again.dtype == torch.float32 and found == [1]
+    assert "unless TOKENWIRE_INT4_ROWS" in again.int4_note
+
+
 def test_the_roofline_counts_the_4bit_bytes_at_small_rows(
     four_bit_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -480,3 +480,82 @@ test("phone: a reply cut at max tokens says so in the conversation, above the me
   assert.deepEqual(problems, []);
   await context.close();
 });
+
+test("a question sent while the server is unreachable survives the tab being closed: reopened, it is sent and answered", async () => {
+  const { context, page, problems } = await openUI(`${proxy.origin}/`);
+  await setSettings(page, { temperature: 1, maxTokens: 24, seed: 3 });
+  proxy.refuse(60_000);
+  proxy.cut();
+  await page.waitForSelector('#status[data-state="reconnecting"]', { timeout: 5000 });
+  await page.fill("#prompt", "A question asked offline");
+  await page.click("#send");
+  const sent = await lastTurn(page);
+  assert.equal(sent.status, "streaming");
+  assert.equal(sent.content, "");
+  await page.close(); // the tab closed before the network came back: the server never saw the chat
+  proxy.refuse(0);
+  const again = await context.newPage();
+  again.on("pageerror", (err) => problems.push(`pageerror: ${err.message}`));
+  await again.goto(`${proxy.origin}/`);
+  // (tokenwireUI appears once the page's module has run: it waits for /config.json first)
+  await again.waitForFunction(() => ["done", "error", "cancelled"].includes(window.tokenwireUI?.turns.at(-1)?.status), null, { timeout: 15_000 });
+  const reply = await lastTurn(again);
+  assert.equal(reply.id, sent.id, "the same request");
+  assert.equal(reply.status, "done", reply.note);
+  assert.ok(reply.content.length > 0);
+  assert.equal((await serverLog(again, reply.id)).text, reply.content);
+  assert.deepEqual((await again.evaluate(() => window.tokenwireUI.turns)).map((t) => t.content).slice(0, 1), ["A question asked offline"]);
+  assert.deepEqual(problems, []);
+  await context.close();
+});
+
+test("Stop while the server is unreachable says that it stops once the connection is back; then it ends", async () => {
+  const question = "Tell me a long story about tokens";
+  const { params } = await findLongReply(server.url, [{ role: "user", content: question }], { temperature: 1, max_tokens: 450, cache: false });
+  const { context, page, problems } = await openUI(`${proxy.origin}/`);
+  await setSettings(page, { temperature: 1, maxTokens: 450, seed: params.seed });
+  const turn = await ask(page, question);
+  proxy.refuse(60_000);
+  proxy.cut();
+  await page.waitForSelector('#status[data-state="reconnecting"]', { timeout: 5000 });
+  await page.click("#stop");
+  await page.waitForFunction(() => /Stopping/.test(document.querySelector(".turn.assistant:last-of-type .note").textContent), null, { timeout: 2000 });
+  assert.equal(await turn.getAttribute("data-status"), "streaming", "not shown as ended before the server says so");
+  proxy.refuse(0);
+  await page.waitForFunction(() => window.tokenwireUI.turns.at(-1).status !== "streaming", null, { timeout: 15_000 });
+  const reply = await lastTurn(page);
+  // The cancel went out after the reconnect: stopped there, unless the reply had already run to its end.
+  if (reply.finish === "cancelled") assert.equal(reply.note, "stopped");
+  else assert.equal(reply.finish, "length");
+  assert.equal(await page.isVisible("#send"), true);
+  assert.equal((await serverLog(page, reply.id)).text, reply.content);
+  assert.deepEqual(problems, []);
+  await context.close();
+});
+
+test("two tabs of the UI share one conversation: neither loses the other's turns", async () => {
+  const a = await openUI(`${server.origin}/`);
+  await setSettings(a.page, { temperature: 1, maxTokens: 16, seed: 4 });
+  const b = await a.context.newPage(); // same browser profile: same localStorage
+  await b.goto(`${server.origin}/`);
+  await b.waitForSelector('#status[data-state="open"]', { timeout: 15_000 });
+  const done = (page, n) => page.waitForFunction((k) => window.tokenwireUI?.turns.length === k && window.tokenwireUI.turns.at(-1).status === "done", n, { timeout: 15_000 });
+  await a.page.fill("#prompt", "Question from tab A");
+  await a.page.click("#send");
+  await done(a.page, 2);
+  await done(b, 2); // shown in the other tab too
+  await b.fill("#prompt", "Question from tab B");
+  await b.click("#send");
+  await done(b, 4);
+  await done(a.page, 4);
+  await a.page.fill("#prompt", "Another from tab A");
+  await a.page.click("#send");
+  await done(a.page, 6);
+  await done(b, 6);
+  await b.reload();
+  await done(b, 6);
+  const users = (await b.evaluate(() => window.tokenwireUI.turns)).filter((t) => t.role === "user").map((t) => t.content);
+  assert.deepEqual(users, ["Question from tab A", "Question from tab B", "Another from tab A"]);
+  assert.deepEqual(a.problems, []);
+  await a.context.close();
+});

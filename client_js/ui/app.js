@@ -2,8 +2,9 @@
 // innerHTML); every file comes from the gateway itself (no CDN).
 //
 // The conversation lives in the page (and localStorage, so a reload keeps it): each turn sends the whole
-// conversation in messages mode. A reply that was streaming when the page was reloaded is resumed by
-// its request id.
+// conversation in messages mode. A reply that was streaming when the page was reloaded (or its tab
+// closed) is followed again: its chat is sent again with the same id (the server attaches to it, or
+// starts it if it never got it). Tabs of this page share the conversation (the `storage` event).
 //
 // A reply that makes no progress says why, in the reply and in the header, instead of a plain
 // "Connected": queued behind a model that is still loading (welcome.loading), queued, or waiting for the
@@ -366,7 +367,9 @@ ui.defaultsNote.textContent = `Server defaults: temperature ${d.temperature}, to
 // ---------------------------------------------------------------------------------------- conversation
 
 function save() {
-  const plain = turns.map(({ role, content, id, status, note, finish, model }) => ({ role, content, id, status, note, finish, model }));
+  // A reply still streaming keeps its request, so that a page opened again can send it again with the
+  // same id if the server never took it (sent offline, the tab closed before the network came back).
+  const plain = turns.map(({ role, content, id, status, note, finish, model, request }) => ({ role, content, id, status, note, finish, model, request: status === "streaming" ? request : undefined }));
   try {
     localStorage.setItem(`${STORE}conversation`, JSON.stringify(plain));
   } catch {
@@ -529,11 +532,17 @@ async function stream(turn, chatStream, { resumed = false } = {}) {
     const stick = nearBottom();
     paint(turn);
     if (stick) scrollToEnd();
-    save();
+    delete turn.request;
     if (current === turn) {
       current = null;
       currentStream = null;
     }
+    // Another tab of this page changed the conversation while this reply streamed: if it went on without
+    // this reply (New chat there), show what it has; else this reply's end is the newest state.
+    const other = otherTabChanged ? storedTurns() : null;
+    otherTabChanged = false;
+    if (other && !other.some((t) => t.id === turn.id)) adopt(other);
+    else save();
     showWaitInStatus();
     setBusy(false);
     if (!coarse) ui.prompt.focus();
@@ -547,10 +556,33 @@ function ask(text) {
     .filter((t) => t.content && t.status !== "error")
     .map((t) => ({ role: t.role, content: t.content }));
   messages.push({ role: "user", content: text });
+  const params = settings();
   addTurn({ role: "user", content: text, status: "done" });
   const reply = addTurn({ role: "assistant", content: "", status: "streaming" });
+  // Kept (with the reply, while it streams) as JSON: the seed is a BigInt.
+  reply.request = { messages, params: { ...params, seed: params.seed?.toString() } };
   scrollToEnd();
-  return stream(reply, client.chat(messages, settings()));
+  return stream(reply, client.chat(messages, params));
+}
+
+/** A reply that was streaming when this page last ran, followed again from its start: its chat sent
+ * again with the same id (the server attaches to the request if it took it, else starts it: a question
+ * sent offline is not lost), or, for a turn saved without its request, resumed by id. */
+function follow(turn) {
+  turn.content = "";
+  const r = turn.request;
+  let chatStream = null;
+  if (r && Array.isArray(r.messages) && r.params && typeof r.params === "object") {
+    try {
+      const params = { ...r.params };
+      if (typeof params.seed === "string") params.seed = BigInt(params.seed);
+      else delete params.seed;
+      chatStream = client.chat(r.messages, params, { id: turn.id });
+    } catch {
+      chatStream = null; // not a request this client can send: resume it by id instead
+    }
+  }
+  return stream(turn, chatStream ?? client.resume(turn.id), { resumed: true });
 }
 
 function submit() {
@@ -583,7 +615,15 @@ function autosize() {
 ui.prompt.addEventListener("input", autosize);
 
 ui.stop.addEventListener("click", () => {
-  if (current?.id) client?.cancel(current.id);
+  if (!current?.id || !client) return;
+  const turn = current;
+  client.cancel(turn.id);
+  // Offline, the stop goes out when the connection is back (and the reply ends "stopped" then): say so
+  // now, so that a click is never met with nothing.
+  if (current === turn && client.state !== "open") {
+    turn.note = "Stopping: the server is told as soon as the connection is back.";
+    schedulePaint(turn);
+  }
 });
 
 ui.newChat.addEventListener("click", () => {
@@ -605,24 +645,42 @@ for (const example of document.querySelectorAll(".example")) {
 
 // ---------------------------------------------------------------------------------------- start
 
-function restore() {
+function storedTurns() {
   let saved = [];
   try {
     saved = JSON.parse(localStorage.getItem(`${STORE}conversation`) || "[]");
   } catch {
     saved = [];
   }
-  for (const t of Array.isArray(saved) ? saved : []) {
-    if (t && (t.role === "user" || t.role === "assistant") && typeof t.content === "string") addTurn({ ...t });
-  }
+  return (Array.isArray(saved) ? saved : []).filter((t) => t && (t.role === "user" || t.role === "assistant") && typeof t.content === "string");
+}
+
+/** Show `saved` as the conversation; a reply in it that was streaming is followed live. */
+function adopt(saved) {
+  for (const el of [...ui.conversation.querySelectorAll(".turn")]) el.remove();
+  turns = [];
+  for (const t of saved) addTurn({ ...t });
+  updateEmpty();
   const last = turns[turns.length - 1];
   if (client && last && last.role === "assistant" && last.status === "streaming" && last.id) {
-    // The page was reloaded mid-reply: replay that request from its start and follow it live.
-    last.content = "";
-    stream(last, client.resume(last.id), { resumed: true });
+    // The page was reloaded mid-reply (or another tab is streaming it): follow it from its start.
+    follow(last);
   }
   scrollToEnd();
 }
+
+function restore() {
+  adopt(storedTurns());
+}
+
+// Two tabs of this page share the conversation: one idle shows what another saved (a new question, a
+// reply that streams there, a New chat), so that neither writes over the other's turns later.
+let otherTabChanged = false;
+addEventListener("storage", (ev) => {
+  if (ev.key !== `${STORE}conversation` && ev.key !== null) return;
+  if (current) otherTabChanged = true; // looked at when this tab's reply ends
+  else adopt(storedTurns());
+});
 
 if (config.model) ui.modelName.textContent = config.model;
 showModels(config.models);

@@ -69,7 +69,7 @@ def matmul_floor(weights: llama.Weights, rows: int, *, reps: int = 5) -> float:
     a = torch.randn(rows, attn, dtype=dtype, device=dev)
     m = torch.randn(rows, inner, dtype=dtype, device=dev)
 
-    small = rows <= weights.int4_rows  # as the forward decides: the 4-bit copies at a few rows
+    small = weights.reads_int4(rows)  # as the forward decides
 
     def one() -> float:
         t0 = time.perf_counter()
@@ -197,7 +197,7 @@ def weight_bytes(weights: llama.Weights, rows: int = 0) -> int:
     the step's dtype, or the layers' 4-bit copies where such a step reads them (norms and the embedding
     rows it looks up are a few KB)."""
     size = weights.embed.element_size()
-    small = 0 < rows <= weights.int4_rows
+    small = weights.reads_int4(rows)
     lins = [x for layer in weights.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     total = weights.lm_head.in_features * weights.lm_head.out_features * size
     for x in lins:

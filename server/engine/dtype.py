@@ -44,6 +44,7 @@ BF16_MARGIN = 0.9  # bf16 must take under 90% of fp32's step to be kept
 KQ_MARGIN = 0.95  # the by-hand decode kernel must take under 95% of SDPA's step to be kept
 INT4_ROWS = (1, 2, 4, 8, 16)  # decode steps timed on the 4-bit copies and on the packed weights
 INT4_MARGIN = 0.9  # the 4-bit step must take under 90% of the packed one at every row count up to R
+INT4_CHOICES = tuple(str(r) for r in (0, *INT4_ROWS))  # what a remembered row count may be
 SMALL_MODEL_PARAMS = 20_000_000  # below this a step is overhead, not matmuls: fp32, nothing to measure
 CHOICES_FILE = "dtype-choices.json"
 MAX_CHOICES = 64  # remembered (machine, torch, model) keys; the oldest go first
@@ -204,9 +205,12 @@ def int4_known_unused(model: Any, requested: str, cache_dir: Path | None) -> boo
         serves = str(known["chosen"])
     if serves == "float32":
         return True
-    key = f"{_choice_key(model, n_params)}:int4-rows:{serves}"
-    entry = _remembered(cache_dir, key, allowed=tuple(str(r) for r in (0, *INT4_ROWS)))
+    entry = _remembered(cache_dir, _int4_key(model, n_params, serves), allowed=INT4_CHOICES)
     return entry is not None and entry["chosen"] == "0"
+
+
+def _int4_key(model: Any, n_params: int, dtype: str) -> str:
+    return f"{_choice_key(model, n_params)}:int4-rows:{dtype}"
 
 
 def pick_int4_rows(model: Any, layers: Any, kernel: str, cache_dir: Path | None = None) -> Int4Choice:
@@ -221,10 +225,9 @@ def pick_int4_rows(model: Any, layers: Any, kernel: str, cache_dir: Path | None 
     if n_params is None:
         return Int4Choice(0, {})
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    key = f"{_choice_key(model, n_params)}:int4-rows:{dtype}"
+    key = _int4_key(model, n_params, dtype)
     names = tuple(f"{kind}_{r}_ms" for r in INT4_ROWS for kind in ("plain", "int4"))
-    allowed = tuple(str(r) for r in (0, *INT4_ROWS))
-    known = _remembered(cache_dir, key, allowed=allowed, figures=names)
+    known = _remembered(cache_dir, key, allowed=INT4_CHOICES, figures=names)
     if known is not None:
         return Int4Choice(int(known["chosen"]), {k: float(known[k]) for k in names}, remembered=True)
     fours = llama.weights_of(model, MEASURE_CONTEXT, int4=layers, int4_rows=max(INT4_ROWS))

@@ -91,6 +91,11 @@ class Weights:
     sin: Tensor  # [P, Hd]
     int4_rows: int = 0  # steps of at most this many tokens read the layers' 4-bit copies (int4.py)
 
+    def reads_int4(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens reads the layers' 4-bit copies (few enough for them to win:
+        measured at load); the forward, the bench's floor and its byte count ask the same."""
+        return 0 < tokens <= self.int4_rows
+
 
 def unsupported_reason(model: Any) -> str | None:
     """Why this model cannot run on the Llama path (None when it can)."""
@@ -597,7 +602,7 @@ def forward(w: Weights, shape: Shape, cache: Cache, layout: StepLayout, lap: Lap
     cos = w.cos[layout.positions].to(w.embed.dtype)[:, None, :]  # [T, 1, Hd]
     sin = w.sin[layout.positions].to(w.embed.dtype)[:, None, :]
     x = F.embedding(layout.ids, w.embed)  # [T, D]
-    small = w.int4_rows >= T  # few enough rows for the 4-bit copies to win (measured at load)
+    small = w.reads_int4(T)
     lap("other")
     for i, L in enumerate(w.layers):
         h = rms_norm(x, L.attn_norm, shape.eps)

@@ -190,7 +190,7 @@ def load_model(
         dtype=torch_dtype,
         load_seconds=0.0,
     )
-    four_bit = exact_int4(loaded, dtype, named)
+    four_bit = exact_int4(loaded, dtype, named, cache_root())
     settle_dtype(loaded, dtype, cache_root())
     settle_decode_kernel(loaded, cache_root())
     settle_int4(loaded, four_bit, cache_root(), requested=dtype, named=named)
@@ -267,52 +267,53 @@ def may_hold_4bit(path: Path, named: int | None) -> bool:
 
 
 def exact_int4(
-    loaded: LoadedModel, requested: str, named: int | None = None
-) -> tuple[dict[str, Any], ...] | None:
+    loaded: LoadedModel, requested: str, named: int | None = None, cache_dir: Path | None = None
+) -> tuple[tuple[dict[str, Any], ...] | None, str]:
     """The layers' 4-bit copies when the model, as loaded (float32, on CPU, before any cast), holds
     exactly 4-bit weights (int4.py), and they might serve: not with ``--dtype float32`` (asked for, its
     numbers stay float32's: the kernel rounds activations to bf16), not with ``TOKENWIRE_INT4_ROWS=0``,
-    not for a model too small to time (unless a row count is named). About 0.7 s for SmolLM2-135M."""
+    not for a model too small to time, nor where an earlier start measured them no faster (unless a row
+    count is named). About 0.7 s for SmolLM2-135M. Returns the copies, or None and why not: the note
+    ``settle_int4`` gives when the dtype and the name leave nothing else to say ("" where they do)."""
     import torch
 
     from server.engine import dtype as dtype_mod
     from server.engine import int4, llama
 
-    if (
-        loaded.device != "cpu"
-        or loaded.dtype != torch.float32
-        or requested == "float32"
-        or named == 0
-        or llama.unsupported_reason(loaded.model) is not None
-    ):
-        return None
-    if named is None and sum(p.numel() for p in loaded.model.parameters()) < dtype_mod.SMALL_MODEL_PARAMS:
-        return None  # settle_int4 says why
-    if named is None and dtype_mod.int4_known_unused(loaded.model, requested, cache_root()):
-        return None  # settle_int4 says why
+    if loaded.device != "cpu" or requested == "float32" or named == 0:
+        return None, ""
+    if named is None and dtype_mod._measurable_params(loaded.model) is None:
+        return None, "off (model too small to measure, or not on the Llama path)"
+    if named is None and dtype_mod.int4_known_unused(loaded.model, requested, cache_dir):
+        return None, "off (an earlier start on this machine measured them no faster)"
+    not_4bit = "off (the layers' weights are not exactly 4-bit, bias-free, float32 at load)"
+    if loaded.dtype != torch.float32 or llama.unsupported_reason(loaded.model) is not None:
+        return None, not_4bit
     t0 = time.perf_counter()
     layers = int4.model_layers(loaded.model)
-    if layers is not None:
-        log.info("model.int4_found", layers=len(layers), seconds=round(time.perf_counter() - t0, 2))
-    return layers
+    if layers is None:
+        return None, not_4bit
+    log.info("model.int4_found", layers=len(layers), seconds=round(time.perf_counter() - t0, 2))
+    return layers, ""
 
 
 def settle_int4(
     loaded: LoadedModel,
-    layers: tuple[dict[str, Any], ...] | None,
+    found: tuple[tuple[dict[str, Any], ...] | None, str],
     cache_dir: Path | None = None,
     *,
     requested: str = "auto",
     named: int | None = None,
 ) -> None:
-    """Up to how many rows a decode step reads the 4-bit copies: none unless the model is 4-bit and on
-    CPU; in bf16, measured (dtype.pick_int4_rows), logged and remembered, or ``named``
-    (``TOKENWIRE_INT4_ROWS``; 0 turns them off); in float32 (``--dtype auto``'s choice, never as asked)
-    only when named."""
+    """Up to how many rows a decode step reads the 4-bit copies (``found``: what ``exact_int4`` gave):
+    none unless the model is 4-bit and on CPU; in bf16, measured (dtype.pick_int4_rows), logged and
+    remembered, or ``named`` (``TOKENWIRE_INT4_ROWS``; 0 turns them off); in float32 (``--dtype
+    auto``'s choice, never as asked) only when named."""
     import torch
 
     from server.engine import dtype as dtype_mod
 
+    layers, why_not = found
     if loaded.device != "cpu":
         return  # nothing to say: a GPU reads its weights at its own speed
     if requested == "float32" or loaded.dtype not in (torch.float32, torch.bfloat16):
@@ -329,12 +330,7 @@ def settle_int4(
         loaded.int4_note = "off in float32 unless TOKENWIRE_INT4_ROWS=N asks (about 70 MiB more)"
         return
     if layers is None:
-        if named is None and dtype_mod._measurable_params(loaded.model) is None:
-            loaded.int4_note = "off (model too small to measure, or not on the Llama path)"
-        elif named is None and dtype_mod.int4_known_unused(loaded.model, requested, cache_dir):
-            loaded.int4_note = "off (an earlier start on this machine measured them no faster)"
-        else:
-            loaded.int4_note = "off (the layers' weights are not exactly 4-bit, bias-free, float32 at load)"
+        loaded.int4_note = why_not
         return
     layers = tuple({name: w.to(torch.bfloat16) for name, w in layer.items()} for layer in layers)
     if named is not None:

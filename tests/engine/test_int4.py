@@ -252,6 +252,15 @@ def timed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[flo
     return install
 
 
+@pytest.fixture
+def grid_searches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry for every search of a model's layers for the 4-bit grid (int4.model_layers)."""
+    found: list[int] = []
+    real = int4.model_layers
+    monkeypatch.setattr(int4, "model_layers", lambda model: found.append(1) or real(model))
+    return found
+
+
 @pytest.mark.parametrize(
     ("seconds", "rows"),
     [
@@ -263,7 +272,7 @@ def timed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[flo
 )
 def test_the_row_count_is_measured_then_remembered(
     four_bit_model_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    grid_searches: list[int],
     timed: Callable[[list[float]], list[str]],
     seconds: list[float],
     rows: int,
@@ -274,31 +283,27 @@ def test_the_row_count_is_measured_then_remembered(
     assert len(log) == len(dtype_mod.INT4_ROWS)
     assert m.int4_rows == rows and (m.int4 is not None) == bool(rows)
     assert "measured now" in m.int4_note
-    found: list[int] = []
-    real = int4.model_layers
-    monkeypatch.setattr(int4, "model_layers", lambda model: found.append(1) or real(model))
+    before = len(grid_searches)
     again = load_model(four_bit_model_dir, dtype="bfloat16")
     assert len(log) == len(dtype_mod.INT4_ROWS)  # nothing timed the second time
     assert again.int4_rows == rows
     if rows:
-        assert "remembered" in again.int4_note and found == [1]
+        assert "remembered" in again.int4_note and grid_searches[before:] == [1]
     else:  # measured no faster: a later start does not even look for the grid
-        assert "measured them no faster" in again.int4_note and found == []
+        assert "measured them no faster" in again.int4_note and grid_searches[before:] == []
 
 
 def test_a_start_that_will_serve_float32_does_not_look_for_the_grid(
     four_bit_model_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
+    grid_searches: list[int],
     timed: Callable[[list[float]], list[str]],
 ) -> None:
     monkeypatch.setattr(dtype_mod, "interleaved_seconds", lambda *models: [1.0, 0.95])  # a near tie: fp32
-    found: list[int] = []
-    real = int4.model_layers
-    monkeypatch.setattr(int4, "model_layers", lambda model: found.append(1) or real(model))
     first = load_model(four_bit_model_dir)  # auto: the dtype is not known yet, so the grid is looked for
-    assert first.dtype == torch.float32 and found == [1] and first.int4 is None
+    assert first.dtype == torch.float32 and grid_searches == [1] and first.int4 is None
     again = load_model(four_bit_model_dir)  # the remembered choice is float32: nothing to look for
-    assert again.dtype == torch.float32 and found == [1]
+    assert again.dtype == torch.float32 and grid_searches == [1]
     assert "unless TOKENWIRE_INT4_ROWS" in again.int4_note
 
 

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -233,20 +233,26 @@ def settle_decode_kernel(loaded: LoadedModel, cache_dir: Path | None = None) -> 
 
 
 MAX_INT4_ROWS = 4096  # TOKENWIRE_INT4_ROWS's bound: more rows than any step runs
+MEASURE_INT4: Literal["auto"] = "auto"  # TOKENWIRE_INT4_ROWS=auto: measured in float32 too, as bf16 always is
+
+Int4Asked = int | Literal["auto"] | None  # a row count, "auto", or None when unset
 
 
-def named_int4_rows() -> int | None:
-    """``TOKENWIRE_INT4_ROWS`` as a row count (0: the 4-bit copies never serve), None when unset; a value
-    that is not one is a clear error, whatever the model."""
+def named_int4_rows() -> Int4Asked:
+    """``TOKENWIRE_INT4_ROWS`` as a row count (0: the 4-bit copies never serve), ``"auto"`` (measured
+    whatever the dtype auto serves, float32 included), or None when unset; a value that is none of them
+    is a clear error, whatever the model."""
     named = os.environ.get("TOKENWIRE_INT4_ROWS", "")
     if not named:
         return None
+    if named == MEASURE_INT4:
+        return MEASURE_INT4
     if not (named.isascii() and named.isdigit() and int(named) <= MAX_INT4_ROWS):
-        raise ValueError(f"TOKENWIRE_INT4_ROWS={named}: a number of rows, 0 to {MAX_INT4_ROWS}")
+        raise ValueError(f"TOKENWIRE_INT4_ROWS={named}: a number of rows, 0 to {MAX_INT4_ROWS}, or auto")
     return int(named)
 
 
-def may_hold_4bit(path: Path, named: int | None) -> bool:
+def may_hold_4bit(path: Path, named: Int4Asked) -> bool:
     """Whether the checkpoint at ``path`` could hold exact 4-bit weights for the engine (a float32 Llama
     as its config says), so that ``--dtype bfloat16`` on CPU loads it in float32 first to look: anything
     else loads in bf16 as asked, at half the memory (and keeps the modules transformers keeps in float32)."""
@@ -267,7 +273,7 @@ def may_hold_4bit(path: Path, named: int | None) -> bool:
 
 
 def exact_int4(
-    loaded: LoadedModel, requested: str, named: int | None = None, cache_dir: Path | None = None
+    loaded: LoadedModel, requested: str, named: Int4Asked = None, cache_dir: Path | None = None
 ) -> tuple[tuple[dict[str, Any], ...] | None, str]:
     """The layers' 4-bit copies when the model, as loaded (float32, on CPU, before any cast), holds
     exactly 4-bit weights (int4.py), and they might serve: not with ``--dtype float32`` (asked for, its
@@ -282,9 +288,12 @@ def exact_int4(
 
     if loaded.device != "cpu" or requested == "float32" or named == 0:
         return None, ""
-    if named is None and dtype_mod._measurable_params(loaded.model) is None:
+    measured = not isinstance(named, int)  # unset or auto: the row count will be measured
+    if measured and dtype_mod._measurable_params(loaded.model) is None:
         return None, "off (model too small to measure, or not on the Llama path)"
-    if named is None and dtype_mod.int4_known_unused(loaded.model, requested, cache_dir):
+    if measured and dtype_mod.int4_known_unused(
+        loaded.model, requested, cache_dir, float32_too=named == MEASURE_INT4
+    ):
         return None, "off (an earlier start on this machine measured them no faster)"
     not_4bit = "off (the layers' weights are not exactly 4-bit, bias-free, float32 at load)"
     if loaded.dtype != torch.float32 or llama.unsupported_reason(loaded.model) is not None:
@@ -303,12 +312,12 @@ def settle_int4(
     cache_dir: Path | None = None,
     *,
     requested: str = "auto",
-    named: int | None = None,
+    named: Int4Asked = None,
 ) -> None:
     """Up to how many rows a decode step reads the 4-bit copies (``found``: what ``exact_int4`` gave):
     none unless the model is 4-bit and on CPU; in bf16, measured (dtype.pick_int4_rows), logged and
     remembered, or ``named`` (``TOKENWIRE_INT4_ROWS``; 0 turns them off); in float32 (``--dtype
-    auto``'s choice, never as asked) only when named."""
+    auto``'s choice, never as asked) only when named: a row count, or ``auto`` to measure it as bf16's."""
     import torch
 
     from server.engine import dtype as dtype_mod
@@ -324,16 +333,16 @@ def settle_int4(
         loaded.int4_note = "off (TOKENWIRE_INT4_ROWS=0)"
         return
     if loaded.dtype == torch.float32 and named is None:
-        # Measured faster on an AMX Xeon made to serve float32, but they add ~70 MiB to the ~950 an idle
-        # float32 server holds (issue 26 keeps it under 1 GB), and no CPU that chooses float32 itself
-        # has timed them yet: asked for, not assumed.
-        loaded.int4_note = "off in float32 unless TOKENWIRE_INT4_ROWS=N asks (about 70 MiB more)"
+        # Faster for a lone user where a CPU chooses float32 (1.6x on an AVX2-only EPYC), but they add
+        # ~70 MiB to the ~940 an idle float32 server holds, and issue 26 keeps that under 1 GB: asked
+        # for (a row count, or auto to measure it), not assumed.
+        loaded.int4_note = "off in float32 unless TOKENWIRE_INT4_ROWS=auto or N asks (about 70 MiB more)"
         return
     if layers is None:
         loaded.int4_note = why_not
         return
     layers = tuple({name: w.to(torch.bfloat16) for name, w in layer.items()} for layer in layers)
-    if named is not None:
+    if isinstance(named, int):
         rows, loaded.int4_note = named, f"up to {named} rows (TOKENWIRE_INT4_ROWS)"
     else:
         choice = dtype_mod.pick_int4_rows(loaded.model, layers, loaded.decode_kernel, cache_dir)
@@ -342,12 +351,11 @@ def settle_int4(
             loaded.int4_note = "off (model too small to measure)"
             return
         how = "remembered for this CPU, torch and model" if choice.remembered else "measured now"
-        loaded.int4_note = (
-            f"up to {rows} rows (a 1-row decode step took {f['int4_1_ms']:.1f} ms on them, "
-            f"{f['plain_1_ms']:.1f} ms on the packed {loaded.dtype_name} weights; {how})"
-            if rows
-            else f"off (no faster here: 1 row {f['int4_1_ms']:.1f} against {f['plain_1_ms']:.1f} ms; {how})"
+        timed = (
+            f"a 1-row decode step took {f['int4_1_ms']:.1f} ms on them, "
+            f"{f['plain_1_ms']:.1f} ms on the packed {loaded.dtype_name} weights; {how}"
         )
+        loaded.int4_note = f"up to {rows} rows ({timed})" if rows else f"off (no faster here: {timed})"
         event = "model.int4_remembered" if choice.remembered else "model.int4_measured"
         log.info(event, rows=rows, **{k: round(v, 1) for k, v in f.items()})
     if rows:

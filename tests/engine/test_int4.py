@@ -215,9 +215,10 @@ def test_off_unless_a_4bit_checkpoint_runs_on_cpu_and_float32_was_not_asked_for(
         monkeypatch.setenv("TOKENWIRE_INT4_ROWS", zero)
         off = load_model(four_bit_model_dir, dtype="bfloat16")
         assert off.int4 is None and off.int4_rows == 0 and "TOKENWIRE_INT4_ROWS=0" in off.int4_note
-    for bad in ("many", "-1", "4097", "٣"):
+    for bad in ("many", "-1", "4097", "٣", "AUTO", " auto"):
         monkeypatch.setenv("TOKENWIRE_INT4_ROWS", bad)
-        with pytest.raises(ValueError, match=f"TOKENWIRE_INT4_ROWS={bad}: a number of rows, 0 to 4096"):
+        refused = f"TOKENWIRE_INT4_ROWS={bad}: a number of rows, 0 to 4096, or auto"
+        with pytest.raises(ValueError, match=refused):
             load_model(tiny_model_dir)  # refused whatever the model: a typo is never ignored
     monkeypatch.delenv("TOKENWIRE_INT4_ROWS")
     small = load_model(four_bit_model_dir, dtype="bfloat16")  # 4-bit, but too small to be worth timing
@@ -305,6 +306,37 @@ def test_a_start_that_will_serve_float32_does_not_look_for_the_grid(
     again = load_model(four_bit_model_dir)  # the remembered choice is float32: nothing to look for
     assert again.dtype == torch.float32 and grid_searches == [1]
     assert "unless TOKENWIRE_INT4_ROWS" in again.int4_note
+
+
+@pytest.mark.parametrize(
+    ("seconds", "rows"),
+    [([1.0, 0.5, 1.0, 0.6, 1.0, 0.8, 1.0, 0.95, 1.0, 1.2], 4), ([1.0, 0.92] + [1.0, 0.5] * 4, 0)],
+    ids=["up-to-4", "off"],
+)
+def test_auto_measures_the_row_count_in_float32_too(
+    four_bit_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    grid_searches: list[int],
+    timed: Callable[[list[float]], list[str]],
+    seconds: list[float],
+    rows: int,
+) -> None:
+    monkeypatch.setattr(dtype_mod, "interleaved_seconds", lambda *models: [1.0, 0.95])  # a near tie: fp32
+    log = timed(seconds)
+    monkeypatch.setenv("TOKENWIRE_INT4_ROWS", "auto")
+    m = load_model(four_bit_model_dir)
+    assert m.dtype == torch.float32 and len(log) == len(dtype_mod.INT4_ROWS)  # measured as bf16 is
+    assert m.int4_rows == rows and (m.int4 is not None) == bool(rows) and "measured now" in m.int4_note
+    assert "packed float32 weights" in m.int4_note
+    again = load_model(four_bit_model_dir)
+    assert len(log) == len(dtype_mod.INT4_ROWS) and again.int4_rows == rows  # remembered, not timed again
+    # Measured no faster: a later start does not look for the grid; faster: it does, once.
+    assert grid_searches == ([1, 1] if rows else [1])
+    asked = load_model(four_bit_model_dir, dtype="float32")  # float32 as asked keeps float32's numbers
+    assert asked.int4 is None and "float32 as asked" in asked.int4_note
+    monkeypatch.delenv("TOKENWIRE_INT4_ROWS")
+    unset = load_model(four_bit_model_dir)  # unset: off in float32, whatever auto measured
+    assert unset.int4 is None and "unless TOKENWIRE_INT4_ROWS=auto or N" in unset.int4_note
 
 
 def test_the_roofline_counts_the_4bit_bytes_at_small_rows(

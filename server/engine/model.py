@@ -195,8 +195,15 @@ def load_model(
     settle_decode_kernel(loaded, cache_root())
     settle_int4(loaded, four_bit, cache_root(), requested=dtype, named=named)
     loaded.load_seconds = time.perf_counter() - t0
+    # The 4-bit note says whether small steps run on 4 bits, and how to ask where they do not (float32).
+    four = {"four_bit": loaded.int4_note} if loaded.int4_note else {}
     log.info(
-        "model.loaded", name=name, device=dev, dtype=str(loaded.dtype), seconds=round(loaded.load_seconds, 2)
+        "model.loaded",
+        name=name,
+        device=dev,
+        dtype=str(loaded.dtype),
+        seconds=round(loaded.load_seconds, 2),
+        **four,
     )
     return loaded
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 import torch
 
 from server.bench import floor as fl
@@ -335,8 +336,11 @@ def test_auto_measures_the_row_count_in_float32_too(
     asked = load_model(four_bit_model_dir, dtype="float32")  # float32 as asked keeps float32's numbers
     assert asked.int4 is None and "float32 as asked" in asked.int4_note
     monkeypatch.delenv("TOKENWIRE_INT4_ROWS")
-    unset = load_model(four_bit_model_dir)  # unset: off in float32, whatever auto measured
+    with structlog.testing.capture_logs() as logs:
+        unset = load_model(four_bit_model_dir)  # unset: off in float32, whatever auto measured
     assert unset.int4 is None and "unless TOKENWIRE_INT4_ROWS=auto or N" in unset.int4_note
+    # The operator reads why in the start's log, and how to ask.
+    assert [e["four_bit"] for e in logs if e["event"] == "model.loaded"] == [unset.int4_note]
 
 
 def test_the_roofline_counts_the_4bit_bytes_at_small_rows(

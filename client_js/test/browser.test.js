@@ -38,7 +38,9 @@ const SCRIPT = {
   "Keep talking, then go away": { reply: ENDLESS, holdAt: 20 },
   "Reverse a string in Python": { reply: CODE_REPLY },
   "Reverse a string, slowly": { reply: CODE_REPLY, holdAt: 7 },
-  "A long answer please": { reply: ENDLESS.slice(0, 30), finish: "length" },
+  "A long answer please": { reply: ENDLESS.slice(0, 30), finish: "length" }, // asked with Max tokens 30
+  // Cut at `length` well before the max_tokens asked (256): the model's context window filled up.
+  "Go on with our very long conversation": { reply: ENDLESS.slice(0, 12), finish: "length" },
   "Tell me everything": { reply: ENDLESS.slice(0, 400) },
 };
 const lastQuestion = (f) => (f.messages ? f.messages.at(-1).content : f.content);
@@ -74,9 +76,16 @@ after(async () => {
 const DESKTOP = { viewport: { width: 1000, height: 900 } };
 const PHONE = { viewport: { width: 390, height: 844 }, deviceScaleFactor: 2, isMobile: true, hasTouch: true };
 
+// Run before the page's scripts: the backoff's jitter pinned to its top, so that each reconnect delay is
+// its cap (about 0.3, 0.6, 1.2, 2.4, 4.8 s...; only the backoff uses Math.random in the UI and client).
+const PINNED_BACKOFF = () => {
+  Math.random = () => 0.999;
+};
+
 /** A fresh page that records errors, dialogs and the client's connection states. */
-async function openUI(url, { device = DESKTOP, waitOpen = true } = {}) {
+async function openUI(url, { device = DESKTOP, waitOpen = true, init = null } = {}) {
   const context = await browser.newContext(device);
+  if (init) await context.addInitScript(init);
   const page = await context.newPage();
   const problems = [];
   const dialogs = [];
@@ -108,6 +117,33 @@ async function setSettings(page, { temperature, maxTokens, seed }) {
   // A repeated seeded request would be answered from the response cache at once: nothing to cut.
   await page.uncheck("#cache");
   await page.click("#settings-toggle");
+}
+
+async function setMaxTokens(page, maxTokens) {
+  await page.click("#settings-toggle");
+  await page.fill("#max-tokens", String(maxTokens));
+  await page.click("#settings-toggle");
+}
+
+/**
+ * Record in the page every `reconnecting` event (its delay), every `open`, and every text the banner
+ * and the header show, each with its time and `attempt`: how many `reconnecting` events had come (a
+ * text an event brought is seen after that event's listeners, so it carries the event's own count).
+ */
+async function recordRetries(page) {
+  await page.evaluate(() => {
+    Object.assign(window, { __retries: [], __opens: [], __banner: [], __header: [] });
+    const client = window.tokenwireUI.client;
+    client.on("reconnecting", (e) => window.__retries.push({ at: performance.now(), delay: e.delay ?? null }));
+    client.on("open", () => window.__opens.push(performance.now()));
+    const watch = (el, log, read) =>
+      new MutationObserver(() => {
+        const text = read(el);
+        if (log.at(-1)?.text !== text) log.push({ at: performance.now(), attempt: window.__retries.length, text });
+      }).observe(el, { attributes: true, childList: true, subtree: true, characterData: true });
+    watch(document.getElementById("banner"), window.__banner, (el) => (el.hidden ? null : el.textContent));
+    watch(document.getElementById("status-text"), window.__header, (el) => el.textContent);
+  });
 }
 
 async function shot(page, name) {
@@ -419,6 +455,7 @@ for (const [name, device] of [
     assert.equal(await page.evaluate(() => navigator.clipboard.readText()), "def reverse(s: str) -> str:\n    return s[::-1]");
 
     // A reply cut at max_tokens says so in words.
+    await setMaxTokens(page, 30);
     await page.fill("#prompt", "A long answer please"); // 30 quick tokens: may be done before any check
     await page.click("#send");
     await page.waitForFunction(() => document.querySelectorAll(".turn.assistant").length === 2);
@@ -455,6 +492,7 @@ test("phone: a reply cut at max tokens says so in the conversation, above the me
   await page.fill("#prompt", "Tell me everything");
   await page.click("#send");
   await page.waitForFunction(() => window.tokenwireUI.turns.at(-1)?.status === "done", null, { timeout: 15_000 });
+  await setMaxTokens(page, 30);
   await page.fill("#prompt", "A long answer please");
   await page.click("#send");
   await page.waitForFunction(() => window.tokenwireUI.turns.length === 4 && window.tokenwireUI.turns.at(-1).status === "done", null, { timeout: 15_000 });
@@ -477,6 +515,36 @@ test("phone: a reply cut at max tokens says so in the conversation, above the me
   assert.ok(where.bottom <= where.composerTop + 0.5 && where.top >= where.barBottom - 0.5, `the notice is on screen, between the header and the message box: ${JSON.stringify(where)}`);
   assert.ok(where.onTop, "nothing covers the notice");
   await shot(page, "ui-max-tokens-phone-long");
+  assert.deepEqual(problems, []);
+  await context.close();
+});
+
+test("a reply cut by the model's context window says the conversation is too long, not to raise Max tokens", async () => {
+  const { context, page, problems } = await openUI(`${server.origin}/?ws=${encodeURIComponent(fake.url)}`);
+  const asked = await page.evaluate(() => window.tokenwireUI.config.defaults.max_tokens);
+  // finish_reason "length" after 12 tokens of the `asked` allowed (SPEC §12: max_tokens reached, or the
+  // model's context window full): the window, and more Max tokens would not help.
+  await page.fill("#prompt", "Go on with our very long conversation");
+  await page.click("#send");
+  await page.waitForFunction(() => window.tokenwireUI.turns.at(-1)?.status === "done", null, { timeout: 15_000 });
+  assert.equal(fake.received.filter((f) => f.type === "chat").at(-1).params.max_tokens, asked);
+  const cut = await lastTurn(page);
+  assert.equal(cut.finish, "length");
+  assert.equal(cut.content, ENDLESS.slice(0, 12).join(""));
+  const note = page.locator(".turn.assistant").last().locator(".note");
+  const text = await note.textContent();
+  assert.equal(text, `The reply was cut off after 12 tokens: the conversation is too long for the model's context window (Max tokens, ${asked}, was not reached). Start a New chat to get longer replies.`);
+  assert.doesNotMatch(text, /Raise Max tokens/);
+  assert.equal(await note.isVisible(), true);
+  await shot(page, "ui-context-full");
+
+  // A reply that did use every token asked for keeps the advice to raise Max tokens.
+  await setMaxTokens(page, 30);
+  await page.fill("#prompt", "A long answer please");
+  await page.click("#send");
+  await page.waitForFunction(() => window.tokenwireUI.turns.length === 4 && window.tokenwireUI.turns.at(-1).status === "done", null, { timeout: 15_000 });
+  assert.equal(fake.received.filter((f) => f.type === "chat").at(-1).params.max_tokens, 30);
+  assert.equal(await page.locator(".turn.assistant").last().locator(".note").textContent(), "The reply hit the max tokens limit (30 tokens) and was cut off. Raise Max tokens in Settings for longer replies.");
   assert.deepEqual(problems, []);
   await context.close();
 });
@@ -558,4 +626,104 @@ test("two tabs of the UI share one conversation: neither loses the other's turns
   assert.deepEqual(users, ["Question from tab A", "Question from tab B", "Another from tab A"]);
   assert.deepEqual(a.problems, []);
   await a.context.close();
+});
+
+test("the browser going offline mid-reply shows at once, not \"Connected\"; online reconnects at once; the reply is whole", async () => {
+  const question = "Tell me a long story about tokens";
+  const { params, result: expected } = await findLongReply(server.url, [{ role: "user", content: question }], { temperature: 1, max_tokens: 450, cache: false });
+  const net = await new Proxy(server.port).start();
+  try {
+    const { context, page, problems } = await openUI(`${net.origin}/`, { init: PINNED_BACKOFF });
+    await setSettings(page, { temperature: 1, maxTokens: 450, seed: params.seed });
+    await recordRetries(page);
+    const turn = await ask(page, question);
+
+    // The network goes: the socket stays open but nothing comes through it, and nothing says so but the
+    // browser's `offline` event (Chromium's offline mode also fails every new connection).
+    net.refuse(120_000);
+    net.blackhole();
+    await context.setOffline(true);
+    assert.equal(await turn.getAttribute("data-status"), "streaming", "the reply was still streaming");
+    // At once: the heartbeat alone needs 5 s or more mid-reply (2 s of silence, then 3 s without a pong).
+    await page.waitForFunction(() => document.getElementById("status").dataset.state !== "open", null, { timeout: 3000 });
+    assert.equal(await page.textContent("#status-text"), "Offline");
+    const banner = page.locator('#banner[data-kind="offline"]');
+    await banner.waitFor({ state: "visible", timeout: 3000 });
+    assert.match(await banner.textContent(), /^You're offline\. (Trying again in \d+ s, or as soon as the network is back\.|Trying again now…) Your conversation is kept/);
+    assert.equal(await turn.getAttribute("data-status"), "streaming", "the reply waits for the connection; it did not end");
+    await shot(page, "ui-offline");
+
+    // Attempts fail while offline, each due twice as late: once one is due 4.8 s after its failure, the
+    // network comes back, and the page must not wait for that attempt.
+    await page.waitForFunction(() => window.__retries.some((r) => r.delay >= 4000), null, { timeout: 30_000 });
+    const due = await page.evaluate(() => window.__retries.at(-1).at + window.__retries.at(-1).delay);
+    net.cut(); // the connections the network took
+    net.refuse(0);
+    await context.setOffline(false);
+    await page.waitForSelector('#status[data-state="open"]', { timeout: 15_000 });
+    const openedAt = await page.evaluate(() => window.__opens.at(-1));
+    assert.ok(openedAt < due - 1000, `reconnected on "online", ${Math.round(due - openedAt)} ms before the backoff's next attempt`);
+    assert.equal(await page.isHidden("#banner"), true);
+
+    // The reply continues where it stopped: exactly the uninterrupted text, which the server logged.
+    await page.waitForFunction(() => window.tokenwireUI.turns.at(-1).status !== "streaming", null, { timeout: 30_000 });
+    const reply = await lastTurn(page);
+    assert.equal(reply.status, "done", reply.note);
+    assert.equal(reply.content, expected.text);
+    assert.equal((await serverLog(page, reply.id)).text, reply.content);
+    assert.equal(await page.textContent("#status-text"), "Connected");
+    assert.deepEqual(problems, []);
+    await context.close();
+  } finally {
+    await net.close();
+  }
+});
+
+test("the retry banner counts the seconds down to the next attempt, then says the attempt is under way", async () => {
+  const net = await new Proxy(server.port).start();
+  try {
+    const { context, page, problems } = await openUI(`${net.origin}/`, { init: PINNED_BACKOFF });
+    await recordRetries(page);
+    net.refuse(120_000);
+    net.cut();
+    // Each failed attempt brings a `reconnecting` with the next delay: 0.3, 0.6, 1.2, 2.4 s... Wait until
+    // the attempt due 2.4 s after its predecessor failed has been made (and failed: the next event).
+    await page.waitForFunction(
+      () => {
+        const i = window.__retries.findIndex((r) => r.delay >= 2000);
+        return i >= 0 && window.__retries.length > i + 1;
+      },
+      null,
+      { timeout: 30_000 },
+    );
+    const log = await page.evaluate(() => ({ retries: window.__retries, banner: window.__banner, header: window.__header }));
+    const i = log.retries.findIndex((r) => r.delay >= 2000);
+    const seconds = Math.ceil(log.retries[i].delay / 1000);
+    // What the banner and the header showed while that attempt was awaited (the (i+1)th event's texts).
+    const during = (entries) => entries.filter((e) => e.attempt === i + 1);
+    const when = during(log.banner).map((e) => e.text?.match(/Trying again (in [\d.]+ s|now…)/)?.[1] ?? e.text);
+    const expectedWhen = [...Array.from({ length: seconds }, (_, k) => `in ${seconds - k} s`), "now…"];
+    assert.deepEqual(when, expectedWhen, `the banner counts down (${log.retries[i].delay} ms)`);
+    const header = during(log.header).map((e) => e.text);
+    assert.deepEqual(header, [...Array.from({ length: seconds }, (_, k) => `Reconnecting… (${seconds - k} s)`), "Reconnecting…"]);
+    // Seconds of the page's clock: from the first figure to "now" took at least the whole delay but the
+    // part of a second the first figure rounded up.
+    const shown = during(log.banner);
+    assert.ok(shown.at(-1).at - shown[0].at >= log.retries[i].delay - 100, `counted down for ${Math.round(shown.at(-1).at - shown[0].at)} ms`);
+    assert.match(shown[0].text, /^Can't reach the server at 127\.0\.0\.1:\d+\. Trying again in \d+ s\. Your conversation is kept/);
+
+    // The server reachable again: the next attempt connects, the banner goes, and no countdown is left
+    // running to bring it (or a figure in the header) back.
+    net.refuse(0);
+    await page.waitForSelector('#status[data-state="open"]', { timeout: 20_000 });
+    assert.equal(await page.isHidden("#banner"), true);
+    const settled = await page.evaluate(() => window.__banner.length);
+    await page.evaluate(() => new Promise((r) => setTimeout(r, 1500))); // a stray tick would come within 1 s
+    assert.equal(await page.evaluate(() => window.__banner.length), settled, "the banner stays hidden");
+    assert.equal(await page.textContent("#status-text"), "Connected");
+    assert.deepEqual(problems, []);
+    await context.close();
+  } finally {
+    await net.close();
+  }
 });

@@ -11,6 +11,10 @@
 // server to resume it after a reconnect (a restarted server continues it once the lost worker's lease
 // lapses). It goes the moment tokens flow again.
 //
+// The browser's `offline` event drops the connection at once (the page stops saying "Connected" while
+// the heartbeat would still be waiting for its ping), and `online` reconnects at once instead of waiting
+// out the backoff; the banner counts the seconds to the next attempt down.
+//
 // Which server: the one this page came from. `?ws=wss://host/v1/ws` may name another, but only one the
 // server lists in its /config.json (`tokenwire serve --ui-connect ORIGIN`); anything else is refused with
 // a visible message and nothing is sent (the page keeps a whole conversation that a crafted link must not
@@ -103,6 +107,7 @@ function pickServer(config) {
 const config = await loadConfig();
 const server = pickServer(config);
 const client = server.url ? new TokenwireClient(server.url) : null;
+const host = server.url ? new URL(server.url).host : null;
 
 /** @type {{role: string, content: string, id?: string, status?: string, note?: string, finish?: string, wait?: string, el?: HTMLElement}[]} */
 let turns = [];
@@ -126,8 +131,90 @@ function hideBanner() {
 
 function setStatus(state, text) {
   ui.status.dataset.state = state;
-  ui.statusText.textContent = text ?? STATE_TEXT[state] ?? state;
+  ui.statusText.textContent = text ?? stateText(state);
   showWaitInStatus();
+}
+
+/** The header's words for a connection state: offline, or the seconds left before the next attempt. */
+function stateText(state, secs = retrySeconds()) {
+  if (browserOffline && (state === "reconnecting" || state === "connecting")) return "Offline";
+  if (state === "reconnecting") return secs > 0 ? `Reconnecting… (${secs} s)` : "Reconnecting…";
+  return STATE_TEXT[state] ?? state;
+}
+
+// ---------------------------------------------------------------------------------------- retry countdown
+
+// While the client waits out its backoff: when its next attempt is due (performance.now() time; null
+// once it is under way), and the timer that counts the banner's seconds down to it.
+const retry = { due: null, timer: null };
+
+function retrySeconds() {
+  return retry.due == null ? 0 : Math.ceil((retry.due - performance.now()) / 1000);
+}
+
+/** The header and the banner while reconnecting, again at each whole second until the attempt starts
+ * (the client says nothing then: an attempt that fails brings the next `reconnecting`, one that works
+ * `open`). */
+function showRetry() {
+  clearTimeout(retry.timer);
+  retry.timer = null;
+  if (client?.state !== "reconnecting") return;
+  const secs = retrySeconds(); // read once: the header and the banner must not straddle a second
+  setStatus("reconnecting", stateText("reconnecting", secs));
+  const lead = browserOffline ? "You're offline." : `Can't reach the server at ${host}.`;
+  const when = secs > 0 ? `Trying again in ${secs} s${browserOffline ? ", or as soon as the network is back" : ""}.` : "Trying again now…";
+  showBanner("offline", [`${lead} ${when} `, "Your conversation is kept, and a reply in progress continues where it stopped."]);
+  if (secs > 0) retry.timer = setTimeout(showRetry, retry.due - performance.now() - (secs - 1) * 1000);
+}
+
+/** The client started an attempt before its backoff ran out (the network came back). */
+function retryUnderWay() {
+  retry.due = null;
+  showRetry();
+}
+
+function stopRetryCountdown() {
+  clearTimeout(retry.timer);
+  retry.timer = null;
+  retry.due = null;
+}
+
+// ---------------------------------------------------------------------------------------- the network
+
+// The browser's offline and online events, but not withBrowserLifecycle(client) as a whole:
+// * its hidden -> pause() would close the socket of a tab merely in the background, and a reply left
+//   with no connection for longer than the server's detach timeout (30 s by default) is cancelled: a
+//   reply would end "interrupted" because its tab was behind another one. A desktop browser keeps a
+//   background tab's socket alive, and the heartbeat finds one that died.
+// * its offline -> setOnline(false) stops every retry until an `online` event, but `offline` is only a
+//   hint: a server on this very machine stays reachable, and a browser can be wrong about its network.
+//   A retry that fails costs nothing; an `online` that never comes would leave the page stranded.
+// So: offline drops the socket now (the network took it, but only the heartbeat's unanswered ping
+// would say so, 5 s later mid-reply and up to 18 s idle) and the client retries with its backoff;
+// online reconnects at once. A reply in progress resumes from its offset either way: nothing is lost
+// or repeated.
+let browserOffline = navigator.onLine === false;
+let stateEvents = 0; // client "state" events so far: did a call emit one?
+
+function watchNetwork() {
+  addEventListener("offline", () => {
+    browserOffline = true;
+    const seen = stateEvents;
+    client.reconnectNow("the browser went offline");
+    if (stateEvents === seen) refreshConnection(); // it was already reconnecting: an attempt started
+  });
+  addEventListener("online", () => {
+    browserOffline = false;
+    const seen = stateEvents;
+    client.resume(); // reconnect now, skipping the backoff (an open socket is probed instead)
+    if (stateEvents === seen) refreshConnection();
+  });
+}
+
+/** The connection's words again after a network event that brought no new state from the client. */
+function refreshConnection() {
+  if (client.state === "reconnecting") retryUnderWay();
+  else setStatus(client.state);
 }
 
 // ---------------------------------------------------------------------------------------- a reply that waits
@@ -193,7 +280,7 @@ function showWaitInStatus() {
     ui.statusText.textContent = WAIT[kind].status;
   } else if (ui.status.dataset.wait) {
     delete ui.status.dataset.wait;
-    ui.statusText.textContent = STATE_TEXT[ui.status.dataset.state] ?? ui.status.dataset.state;
+    ui.statusText.textContent = stateText(ui.status.dataset.state);
   }
 }
 
@@ -227,14 +314,17 @@ function progressed() {
 }
 
 if (client) {
-  const host = new URL(server.url).host;
+  watchNetwork();
   client.on("state", ({ state, delay }) => {
-    const retry = state === "reconnecting" && delay != null ? ` (${(delay / 1000).toFixed(1)} s)` : "";
-    setStatus(state, state === "reconnecting" ? `Reconnecting…${retry}` : undefined);
+    stateEvents += 1;
+    // A `reconnecting` with a delay: an attempt failed and the next is due then; without one: an
+    // attempt is under way.
+    stopRetryCountdown();
+    if (state === "reconnecting" && delay != null) retry.due = performance.now() + delay;
+    setStatus(state);
     ui.status.title = client.welcome ? `server ${client.welcome.server}` : "";
     if (state === "reconnecting") {
-      const when = delay != null ? `Trying again in ${(delay / 1000).toFixed(1)} s.` : "Trying again.";
-      showBanner("offline", [`Can't reach the server at ${host}. ${when} `, "Your conversation is kept, and a reply in progress continues where it stopped."]);
+      showRetry();
     } else if (state === "closed") {
       showBanner("offline", [`Disconnected from ${host}. Reload the page to connect again.`]);
     } else if (state === "open") {
@@ -484,6 +574,19 @@ function setBusy(busy) {
   document.body.classList.toggle("busy", busy);
 }
 
+/** The note under a reply that ended `length`: its max_tokens reached, or the model's context window
+ * full (SPEC §4.2, §12). `done` does not say which, but a reply shorter than the max_tokens it asked
+ * for (`asked`; unknown for a reply resumed by id alone) was cut by the window: the conversation took
+ * the rest of it, and raising Max tokens would change nothing. (One case no frame tells apart: a server
+ * degrading under load lowers max_tokens itself, and its reply reads as a full window here.) */
+function lengthNote(result, asked) {
+  const n = result.offset ?? result.usage?.completion_tokens;
+  if (Number.isInteger(asked) && Number.isInteger(n) && n < asked) {
+    return `The reply was cut off after ${n} tokens: the conversation is too long for the model's context window (Max tokens, ${asked}, was not reached). Start a New chat to get longer replies.`;
+  }
+  return `The reply hit the max tokens limit${n ? ` (${n} tokens)` : ""} and was cut off. Raise Max tokens in Settings for longer replies.`;
+}
+
 async function stream(turn, chatStream, { resumed = false } = {}) {
   current = turn;
   currentStream = chatStream;
@@ -514,10 +617,8 @@ async function stream(turn, chatStream, { resumed = false } = {}) {
     // Cancelled by the server's detach timeout (nobody attached for it: the page was asleep or offline
     // too long) is not the user's Stop, and says so.
     if (result.finishReason === "cancelled") turn.note = result.cancelReason === "detach_timeout" ? "interrupted (the page was away too long)" : "stopped";
-    else if (result.finishReason === "length") {
-      const n = result.offset ?? result.usage?.completion_tokens;
-      turn.note = `The reply hit the max tokens limit${n ? ` (${n} tokens)` : ""} and was cut off. Raise Max tokens in Settings for longer replies.`;
-    } else turn.note = "";
+    else if (result.finishReason === "length") turn.note = lengthNote(result, turn.request?.params?.max_tokens);
+    else turn.note = "";
   } catch (err) {
     turn.status = "error";
     turn.note = `error: ${err.code ?? ""} ${err.message ?? err}`.trim();

@@ -564,6 +564,9 @@ class Done:
     # With finish_reason cancelled: why, when it was not a cancel ("detach_timeout", written by the
     # store's detach.lua and start.lua, SPEC 10.5); else None.
     cancel_reason: str | None = None
+    # With finish_reason length: which limit ended it, "max_tokens" or "context" (the model's context
+    # window full, SPEC 12); None from a server that predates it.
+    length_reason: str | None = None
     type: Literal["done"] = "done"
 
     def to_wire(self) -> Wire:
@@ -576,6 +579,8 @@ class Done:
         }
         if self.cancel_reason is not None:
             d["cancel_reason"] = self.cancel_reason
+        if self.length_reason is not None:
+            d["length_reason"] = self.length_reason
         return d
 
 
@@ -659,12 +664,16 @@ def _parse_done(r: Mapping[str, Any]) -> Done:
     why = r.get("cancel_reason")  # added in a minor revision; any value is a cancel's (SPEC 10.5)
     if why is not None and (not isinstance(why, str) or reason != "cancelled"):
         raise _bad(f"done.cancel_reason: a string with finish_reason cancelled only, got {_short(why)}")
+    limit = r.get("length_reason")  # added in a minor revision, like cancel_reason: any string (SPEC 12)
+    if limit is not None and (not isinstance(limit, str) or reason != "length"):
+        raise _bad(f"done.length_reason: a string with finish_reason length only, got {_short(limit)}")
     return Done(
         id=_req_id(r),
         finish_reason=reason,
         offset=_offset(r.get("offset"), "done.offset", None),
         usage=Usage(prompt, completion, cached),
         cancel_reason=why,
+        length_reason=limit,
     )
 
 

@@ -107,9 +107,11 @@ class ChatSession:
         write: Callable[[str], None] = _stdout,
         notice: Callable[[str], None] = _stderr,
         more_tokens_hint: str = "/set max_tokens N",
+        context_full_hint: str = "/new starts a new conversation",
     ) -> None:
         self.url = url
         self.more_tokens_hint = more_tokens_hint  # how to ask for more: -m mode has a flag, not /set
+        self.context_full_hint = context_full_hint  # what to do instead when the window is full
         self.server_defaults: dict[str, object] = {}  # /config.json's sampling defaults, read once
         self.token = token
         self.write = write
@@ -196,7 +198,13 @@ class ChatSession:
                             return False  # too_large is followed by done(error); the rest end here
                     elif isinstance(frame, Done):
                         self.write("\n")
-                        if frame.finish_reason == "length":
+                        if frame.finish_reason == "length" and frame.length_reason == "context":
+                            # More tokens would not help (SPEC 12): the conversation fills the window.
+                            self.notice(
+                                f"[the model's context window is full after {frame.offset} tokens; "
+                                f"{self.context_full_hint}]"
+                            )
+                        elif frame.finish_reason == "length":
                             self.notice(
                                 f"[max tokens reached ({frame.offset}); {self.more_tokens_hint} for more]"
                             )
@@ -405,7 +413,10 @@ async def run_chat(
     model: str | None = None,
 ) -> int:
     session = ChatSession(
-        url, token=token, more_tokens_hint="--max-tokens N" if once is not None else "/set max_tokens N"
+        url,
+        token=token,
+        more_tokens_hint="--max-tokens N" if once is not None else "/set max_tokens N",
+        context_full_hint="send a shorter message" if once is not None else "/new starts a new conversation",
     )
     try:
         client = await session.connect()

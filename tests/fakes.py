@@ -37,6 +37,9 @@ class FakeEngine(ThreadedEngine):
         self.step_s = step_s
         self.reply_len = reply_len  # words before a natural "stop" (unless max_tokens is smaller)
         self.pad = ""  # appended to every token's text (tests that need big deltas)
+        # The context window, in tokens (prompt, one per message, and completion): a reply that fills it
+        # ends "length" with length_reason "context", as a real engine's does. None: no window.
+        self.context: int | None = None
         self.started_keys: list[str] = []
         self.resumed_at: list[int] = []  # per start, in order: how many logged tokens it continued after
         self._runs: dict[str, _Run] = {}
@@ -61,19 +64,25 @@ class FakeEngine(ThreadedEngine):
     def _step(self) -> list[StepOutput]:
         outs: list[StepOutput] = []
         for key, run in list(self._runs.items()):
+            n = len(run.req.messages)
             limit = min(run.req.params.max_tokens, self.reply_len)
             o = run.offset
             finish = None
-            if o + 1 >= limit:
+            why = ""
+            if self.context is not None and n + o + 1 >= self.context:
+                finish, why = "length", "context"
+            elif o + 1 >= limit:
                 finish = "length" if run.req.params.max_tokens <= self.reply_len else "stop"
+                why = "max_tokens" if finish == "length" else ""
             text = run.words[o] + self.pad
             # The word's index is its token id: logged like a real engine's ids, so a request re-queued
             # after its worker died or shed it continues after its logged tokens (resume_ids) instead of
             # regenerating them over its own log, which the store refuses once steps merge differently.
             # A prompt token per message; every message before the last counts as reused (as a real
             # engine's earlier session turns would), so usage.cached_tokens reaches every door.
-            n = len(run.req.messages)
-            out = StepOutput(key, o, 1, text, (o,), finish=finish, prompt_tokens=n, cached_tokens=n - 1)
+            out = StepOutput(
+                key, o, 1, text, (o,), finish=finish, prompt_tokens=n, cached_tokens=n - 1, length_reason=why
+            )
             outs.append(out)
             run.offset += 1
             if finish:

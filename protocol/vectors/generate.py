@@ -186,6 +186,16 @@ def server_frames() -> list[tuple[str, ServerFrame]]:
                 cancel_reason="detach_timeout",
             ),
         ),
+        (
+            "done_length_context",
+            Done(id="req-5", finish_reason="length", offset=3, usage=Usage(8189, 3), length_reason="context"),
+        ),
+        (
+            "done_length_max_tokens",
+            Done(
+                id="req-6", finish_reason="length", offset=16, usage=Usage(9, 16), length_reason="max_tokens"
+            ),
+        ),
         ("error", Error(code="bad_frame", message="content: expected a string, got number")),
         ("error_with_id", Error(code="not_found", message="no request req-9", id="req-9")),
         (

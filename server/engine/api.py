@@ -75,7 +75,8 @@ class StepOutput:
     """What one step produced for one request: ``n`` tokens from ``offset`` whose text is ``text``.
 
     ``n`` may be 0 (nothing new this step, only a finish). ``finish`` is set on the request's last output:
-    "stop" (EOS or a stop string), "length" (max_tokens), "error" (with ``error_code``/``error_message``).
+    "stop" (EOS or a stop string), "length" (max_tokens or the context window; ``length_reason`` says
+    which: "max_tokens" or "context"), "error" (with ``error_code``/``error_message``).
     Cancelled requests produce no output: whoever cancelled has already ended the log.
     ``cached_tokens`` is how many of the ``prompt_tokens`` were not computed for this request: their KV
     was copied from its session's cached prefix or another sequence's prompt start (OpenAI's
@@ -92,6 +93,20 @@ class StepOutput:
     cached_tokens: int = 0
     error_code: str = ""
     error_message: str = ""
+    length_reason: str = ""  # with finish "length" only: LENGTH_REASONS, else ""
+
+
+# Why a request ended "length" (SPEC 12, done.length_reason): its max_tokens, or the model's context
+# window full, which a larger max_tokens would not help (the client starts a new conversation instead).
+LENGTH_REASONS = ("max_tokens", "context")
+
+
+def length_reason(finish: str | None, *, context_full: bool) -> str:
+    """``StepOutput.length_reason`` for an output that ends with ``finish``: when both limits are hit at
+    once it is "context", since a retry asking for more tokens would get none."""
+    if finish != "length":
+        return ""
+    return "context" if context_full else "max_tokens"
 
 
 StepCallback = Callable[[list[StepOutput]], None]

@@ -20,6 +20,7 @@ from server.engine.api import (
     EngineOverloaded,
     GenerationRequest,
     StepOutput,
+    length_reason,
 )
 from server.engine.model import LoadedModel
 from server.engine.profile import StepProfile
@@ -314,9 +315,13 @@ class BatchingEngine(ThreadedEngine):
         except PromptTooLarge as exc:
             outs.append(error_output(req.key, start, "too_large", str(exc)))
             return
-        if start >= req.params.max_tokens or len(ids) + start >= self.max_context:
+        context_full = len(ids) + start >= self.max_context
+        if start >= req.params.max_tokens or context_full:
             # Resumed at (or past) its end: nothing left to generate.
-            outs.append(StepOutput(req.key, start, 0, "", finish="length", prompt_tokens=len(ids)))
+            why = length_reason("length", context_full=context_full)
+            outs.append(
+                StepOutput(req.key, start, 0, "", finish="length", prompt_tokens=len(ids), length_reason=why)
+            )
             return
         try:
             self.sched.add(

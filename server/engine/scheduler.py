@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from server.engine.api import POOLED_OWNERS, SamplingParams, StepOutput
+from server.engine.api import POOLED_OWNERS, SamplingParams, StepOutput, length_reason
 from server.engine.detok import Detokenizer
 from server.engine.fairness import ServiceCounters
 from server.engine.kv_cache import CachedPrefix, Op, SlotRef, SlotTable
@@ -325,10 +325,11 @@ class Scheduler:
         with no text; stop strings end the text before them; max_tokens counts resumed tokens."""
         p = seq.params
         start = seq.offset
+        context_full = len(seq.tokens) >= self.max_context
         n, text, finish = seq.detok.push(
             token,
             eos=token in self.cfg.eos_ids and not p.ignore_eos,
-            at_length=seq.completion_len >= p.max_tokens or len(seq.tokens) >= self.max_context,
+            at_length=seq.completion_len >= p.max_tokens or context_full,
         )
         if n == 0 and finish is None:
             return None
@@ -343,6 +344,7 @@ class Scheduler:
             finish=finish,
             prompt_tokens=seq.n_prompt,
             cached_tokens=seq.cached,
+            length_reason=length_reason(finish, context_full=context_full),
         )
 
     def _finish(self, seq: Seq) -> None:

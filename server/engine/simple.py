@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 import torch
 
-from server.engine.api import GenerationRequest, StepOutput
+from server.engine.api import GenerationRequest, StepOutput, length_reason
 from server.engine.detok import Detokenizer
 from server.engine.model import LoadedModel
 from server.engine.penalties import apply_penalties
@@ -122,10 +122,11 @@ class SimpleEngine(ThreadedEngine):
         p = s.req.params
         total = len(s.req.resume_ids) + s.generated
         start = s.offset
+        context_full = len(s.prompt_ids) + total >= self.max_context
         n, text, finish = s.detok.push(
             token,
             eos=token in self.m.eos_ids and not p.ignore_eos,
-            at_length=total >= p.max_tokens or len(s.prompt_ids) + total >= self.max_context,
+            at_length=total >= p.max_tokens or context_full,
         )
         if n == 0 and finish is None:
             return None
@@ -138,4 +139,5 @@ class SimpleEngine(ThreadedEngine):
             token_ids=tuple(s.completion[start : start + n]),
             finish=finish,
             prompt_tokens=len(s.prompt_ids),
+            length_reason=length_reason(finish, context_full=context_full),
         )

@@ -615,5 +615,6 @@ class Connection:
                     cached_tokens=end.cached_tokens,
                 ),
                 cancel_reason=end.cancel_reason or None,
+                length_reason=end.length_reason or None,
             )
         )

@@ -62,6 +62,7 @@ class LogEntry:
     error_code: str = ""
     error_message: str = ""
     cancel_reason: str = ""  # the end entry's "c": "detach_timeout" when nobody was attached (detach.lua)
+    length_reason: str = ""  # the end entry's "lr": "max_tokens" or "context" with finish "length"
 
     @staticmethod
     def parse(fields: dict[bytes, bytes]) -> LogEntry:
@@ -77,6 +78,7 @@ class LogEntry:
                 error_code=d.get("e", ""),
                 error_message=d.get("m", ""),
                 cancel_reason=d.get("c", ""),
+                length_reason=d.get("lr", ""),
             )
         return LogEntry(offset=int(d["o"]), n=int(d["n"]), text=d["t"])
 

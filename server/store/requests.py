@@ -193,6 +193,7 @@ class StepOp:
     reply_text: str = ""
     error_code: str = ""
     error_message: str = ""
+    length_reason: str = ""  # with finish "length": "max_tokens" or "context" (the end entry's "lr")
 
 
 class RequestStore:
@@ -616,6 +617,7 @@ class RequestStore:
                         tombstone_payload(op.item.payload) if refused else "",
                         st.history_max_bytes,
                         op.cached_tokens,
+                        op.length_reason if op.finish == "length" else "",
                     ],
                 )
             )

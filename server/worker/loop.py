@@ -517,6 +517,7 @@ class Worker:
                         reply_text="".join(reply) if o.finish else "",
                         error_code=o.error_code,
                         error_message=o.error_message,
+                        length_reason=o.length_reason,
                     )
                 )
             t0 = time.perf_counter()

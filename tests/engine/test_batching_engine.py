@@ -146,6 +146,28 @@ def test_a_request_that_cannot_be_read_fails_alone(tiny: LoadedModel) -> None:
     assert outs["ok"][-1].finish == "length"
 
 
+def test_a_length_says_whether_max_tokens_or_the_context_window_ended_it(tiny: LoadedModel) -> None:
+    """StepOutput.length_reason (done.length_reason, SPEC 12), from the engine that knows which limit it
+    hit: the context window (the largest slot, 64 here) as a reply fills it, and also when a request is
+    resumed with its window already full; max_tokens otherwise."""
+    p = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    asked = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    e = engine(tiny, pools=((4, 64),))
+    outs, _ = run_all(
+        e, [GenerationRequest("window", msg("Hello"), p), GenerationRequest("asked", msg("Hi"), asked)]
+    )
+    end = outs["window"][-1]
+    assert (end.finish, end.length_reason) == ("length", "context")
+    assert end.prompt_tokens + sum(o.n for o in outs["window"]) == 64
+    assert (outs["asked"][-1].finish, outs["asked"][-1].length_reason) == ("length", "max_tokens")
+    ids = [t for o in outs["window"] for t in o.token_ids]
+    again, _ = run_all(
+        engine(tiny, pools=((4, 64),)), [GenerationRequest("window", msg("Hello"), p, resume_ids=ids)]
+    )
+    [o] = again["window"]
+    assert (o.finish, o.length_reason, o.offset, o.n) == ("length", "context", len(ids), 0)
+
+
 def test_full_waiting_queue_refuses_with_retry_after(tiny: LoadedModel) -> None:
     e = engine(tiny, max_waiting=2)  # not started: nothing leaves the queue
     e.submit(GenerationRequest("a", msg("Hello")))

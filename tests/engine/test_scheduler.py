@@ -365,6 +365,24 @@ def test_max_tokens_counts_resumed_tokens() -> None:
     assert outs[0].offset == 6
     check_stream(outs, full[6:], start=6)
     assert outs[-1].finish == "length"
+    assert outs[-1].length_reason == "max_tokens"
+
+
+def test_a_length_says_which_limit_ended_it() -> None:
+    """done.length_reason (SPEC 12): max_tokens, or the context window (the largest slot) full; when both
+    come with the same token it is the window, since asking for more tokens would not give any."""
+    s, r = make(((4, 64),))
+    s.add("window", prompt(60), greedy(100))
+    s.add("asked", prompt(8), greedy(5))
+    s.add("both", prompt(54), greedy(10))  # 54 + 10 = 64: the tenth token fills the slot
+    s.add("stopped", prompt(4), greedy(10, stop=(fake_decode(reference(prompt(4), 10))[2:4],)))
+    outs = run(s, r)
+    assert [(o.finish, o.length_reason) for o in outs["window"]][-1] == ("length", "context")
+    assert sum(o.n for o in outs["window"]) == 4  # 60 + 4 = the slot's 64
+    assert (outs["asked"][-1].finish, outs["asked"][-1].length_reason) == ("length", "max_tokens")
+    assert (outs["both"][-1].finish, outs["both"][-1].length_reason) == ("length", "context")
+    assert (outs["stopped"][-1].finish, outs["stopped"][-1].length_reason) == ("stop", "")
+    assert all(o.length_reason == "" for k in outs for o in outs[k][:-1])
 
 
 # ---- session prefix reuse ------------------------------------------------------------------------

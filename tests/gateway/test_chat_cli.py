@@ -117,3 +117,16 @@ async def test_chat_once_says_the_flag_for_more_tokens(
         assert await run_chat(server.url, once="hello", max_tokens=2) == 0
     err = capsys.readouterr().err
     assert "max tokens reached (2); --max-tokens N for more" in err and "/set" not in err
+
+
+async def test_chat_says_when_the_context_window_ended_a_reply(
+    redis: aioredis.Redis, redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A length ended by the context window (done.length_reason "context") does not advise more tokens,
+    which would give none: it says the window is full and what to do instead."""
+    async with running_server(redis, redis_url, keys) as server:
+        server.engine.context = 4  # one prompt token, three of completion
+        assert await run_chat(server.url, once="hello", max_tokens=50) == 0
+    err = capsys.readouterr().err
+    assert "[the model's context window is full after 3 tokens; send a shorter message]" in err
+    assert "max tokens reached" not in err

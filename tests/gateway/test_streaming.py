@@ -148,6 +148,36 @@ async def test_disconnect_does_not_cancel_and_resume_continues(server: Running) 
     await c2.close()
 
 
+@pytest.mark.parametrize("subprotocol", ["tokenwire.v1.msgpack", JSON_SUBPROTOCOL])
+async def test_a_length_done_says_which_limit_ended_it_also_on_resume(
+    server: Running, subprotocol: str
+) -> None:
+    """done.length_reason (SPEC 12): "max_tokens" when the asked max_tokens ended the reply, "context"
+    when the model's context window did (the client starts a new conversation rather than asking for
+    more tokens); a resume replays the same done; a stop has none."""
+    c = await Client.connect(server.url, subprotocol=subprotocol)
+    _, _, done, _ = await collect(c.chat("short", id="asked", params=Params(max_tokens=4)))
+    assert done is not None and (done.finish_reason, done.length_reason, done.offset) == (
+        "length",
+        "max_tokens",
+        4,
+    )
+    _, _, done, _ = await collect(c.chat("natural", id="stopped"))
+    assert done is not None and (done.finish_reason, done.length_reason) == ("stop", None)
+    server.engine.context = 6  # one prompt token (one message) and five of completion fill the window
+    one = [{"role": "user", "content": "too long"}]  # messages mode: no session history in the prompt
+    _, _, done, _ = await collect(c.chat(messages=one, id="window", params=Params(max_tokens=12)))
+    assert done is not None and (done.finish_reason, done.length_reason, done.offset) == (
+        "length",
+        "context",
+        5,
+    )
+    await c.send(Resume(id="window", offset=5))
+    frames = [f async for f in c.frames_for("window")]
+    assert isinstance(frames[-1], Done) and frames[-1].length_reason == "context"
+    await c.close()
+
+
 async def test_cancel_ends_stream_with_cancelled(server: Running) -> None:
     server.engine.step_s = 0.05
     server.engine.reply_len = 400

@@ -231,3 +231,19 @@ def test_done_cancel_reason_is_a_cancelled_requests_only() -> None:
         parse_server_frame({**done, "finish_reason": "stop", "cancel_reason": "detach_timeout"})
     with pytest.raises(ProtocolError, match=r"done\.cancel_reason"):
         parse_server_frame({**done, "finish_reason": "cancelled", "cancel_reason": 1})
+
+
+def test_done_length_reason_is_a_length_requests_only() -> None:
+    """done.length_reason (SPEC §12): which limit ended a length, present only with finish_reason length,
+    a string a receiver need not know; on another finish, or not a string, the frame is bad."""
+    done = {"type": "done", "id": "r", "offset": 2, "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+    for why in ("max_tokens", "context", "something_newer"):
+        frame = parse_server_frame({**done, "finish_reason": "length", "length_reason": why})
+        assert isinstance(frame, Done) and frame.length_reason == why
+        assert frame.to_wire()["length_reason"] == why
+    plain = parse_server_frame({**done, "finish_reason": "length"})
+    assert isinstance(plain, Done) and plain.length_reason is None and "length_reason" not in plain.to_wire()
+    with pytest.raises(ProtocolError, match=r"done\.length_reason"):
+        parse_server_frame({**done, "finish_reason": "stop", "length_reason": "context"})
+    with pytest.raises(ProtocolError, match=r"done\.length_reason"):
+        parse_server_frame({**done, "finish_reason": "length", "length_reason": ["context"]})

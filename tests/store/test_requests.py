@@ -337,6 +337,40 @@ async def test_one_step_spans_partitions_and_a_shared_cache_entry_crosses_slots(
     assert info is not None and (info.prompt_tokens, info.cached_tokens) == (3, 3)
 
 
+async def test_a_length_end_keeps_which_limit_ended_it_also_through_the_cache(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    """The end entry of a "length" carries its length_reason ("lr", done.length_reason, SPEC 12), and a
+    response-cache hit answered from it replays the same reason; other ends carry none."""
+    store = RequestStore(redis, keys)
+    await store.ensure_group("w1")
+    for rid, cache in (("full", "long-question"), ("plain", "")):
+        assert (await store.submit("u", rid, "fp", PAYLOAD, cache_key=cache)).outcome == "new"
+    items = {}
+    for queue, entry_id, req_key in await store.take("w1", 10, 100, partition=keys.partition("u")):
+        item = await store.start("w1", entry_id, req_key, queue)
+        assert item is not None
+        items[req_key] = item
+    full = items[keys.request("u", "full")]
+    plain = items[keys.request("u", "plain")]
+    ops = [
+        StepOp(
+            full, 0, 2, "ab", 3, token_ids=(1, 2), finish="length", reply_text="ab", length_reason="context"
+        ),
+        # A reason with another finish is not written (only a length has one).
+        StepOp(plain, 0, 1, "a", 3, token_ids=(1,), finish="stop", reply_text="a", length_reason="context"),
+    ]
+    assert await store.write_step(ops, "w1") == [True, True]
+    end = LogEntry.parse((await redis.xrange(keys.log("u", "full")))[-1][1])
+    assert (end.finish, end.length_reason) == ("length", "context")
+    plain_end = (await redis.xrange(keys.log("u", "plain")))[-1][1]
+    assert b"lr" not in plain_end and LogEntry.parse(plain_end).length_reason == ""
+    hit = await store.submit("u", "again", "fp", PAYLOAD, cache_key="long-question")
+    assert (hit.outcome, hit.state) == ("cached", "done")
+    end = LogEntry.parse((await redis.xrange(keys.log("u", "again")))[-1][1])
+    assert (end.finish, end.offset, end.length_reason) == ("length", 2, "context")
+
+
 async def test_a_reader_following_many_logs_pauses_so_that_writes_gather(
     redis: aioredis.Redis, keys: Keys, new_client: Callable[[], Any]
 ) -> None:

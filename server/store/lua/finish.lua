@@ -7,7 +7,8 @@
 --       5 retention_ms, 6 error code ("" if none), 7 error message, 8 history max messages, 9 session ttl_ms,
 --       10 the tombstone's ttl_ms, 11 the payload a tombstone keeps (JSON, without the prompt; "" when the
 --       caller saw tokens generated), 12 history max bytes (history.lua's append_turn), 13 cached prompt
---       tokens (of ARGV[3], those the engine reused; written only when not 0, to keep the end entry short)
+--       tokens (of ARGV[3], those the engine reused; written only when not 0, to keep the end entry short),
+--       14 why a "length" ended (max_tokens|context, done.length_reason; "" writes none)
 -- A request that fails with no token logged (refused: too_large, overloaded, ...) and ARGV[11] given is
 -- kept as a tombstone only: what a retry needs (state, error, fingerprint, owner, the slim payload, the
 -- log's end entry), both expiring after ARGV[10]; the prompt, the user message and the cache key go now.
@@ -44,6 +45,10 @@ local entry = {'d', reason, 'o', total, 'pt', ARGV[3]}
 if cached > 0 then
   table.insert(entry, 'ct'); table.insert(entry, cached)
 end
+local why = ARGV[14] or ''
+if why ~= '' then
+  table.insert(entry, 'lr'); table.insert(entry, why)
+end
 if ARGV[6] ~= '' then
   table.insert(entry, 'e'); table.insert(entry, ARGV[6])
   table.insert(entry, 'm'); table.insert(entry, ARGV[7])
@@ -69,7 +74,7 @@ if state == 'done' and f[5] and f[5] ~= '' then
       table.insert(entries, {tonumber(kv['o']), tonumber(kv['n']), kv['t'], kv['k'] or ''})
     end
   end
-  cache = cjson.encode({e = entries, d = reason, pt = tonumber(ARGV[3])})
+  cache = cjson.encode({e = entries, d = reason, pt = tonumber(ARGV[3]), lr = why})
 end
 if state == 'done' and f[4] and f[4] ~= '' then
   append_turn(KEYS[3], KEYS[5], f[4], cjson.encode({role = 'assistant', content = ARGV[4]}),

@@ -63,7 +63,12 @@ if ARGV[18] ~= '' then
       table.insert(reply, e[3])
     end
     -- Nothing was computed for this answer: every prompt token counts as cached (usage.cached_tokens).
-    redis.call('XADD', KEYS[6], total .. '-2', 'd', c.d, 'o', total, 'pt', c.pt, 'ct', c.pt)
+    -- 'lr' (why a length ended) came with cache entries from the revision that added it.
+    if type(c.lr) == 'string' and c.lr ~= '' then
+      redis.call('XADD', KEYS[6], total .. '-2', 'd', c.d, 'o', total, 'pt', c.pt, 'ct', c.pt, 'lr', c.lr)
+    else
+      redis.call('XADD', KEYS[6], total .. '-2', 'd', c.d, 'o', total, 'pt', c.pt, 'ct', c.pt)
+    end
     redis.call('HSET', req,
       'owner', ARGV[1], 'id', ARGV[2], 'fp', ARGV[3], 'payload', ARGV[4],
       'epoch', 1, 'state', 'done', 'finish_reason', c.d, 'created_ms', now, 'updated_ms', now,

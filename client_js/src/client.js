@@ -120,6 +120,10 @@ export class ChatStream {
     // "detach_timeout": the server cancelled it because nobody was attached for its detach timeout (the
     // app was away too long), not because of a cancel. null otherwise.
     this.cancelReason = null;
+    // With finishReason "length": the limit that ended it, "max_tokens" (as asked, or as lowered by a
+    // busy server) or "context" (the model's context window is full: more tokens would not help). null
+    // otherwise, and when the server did not say (SPEC §12).
+    this.lengthReason = null;
     this.result = new Promise((resolve, reject) => {
       this.#resolve = resolve;
       this.#reject = reject;
@@ -157,6 +161,9 @@ export class ChatStream {
     this.finishReason = done ? done.finish_reason : null;
     // SPEC §10.5: any other cancel_reason is read as a plain cancel's.
     if (done?.finish_reason === "cancelled" && done.cancel_reason === "detach_timeout") this.cancelReason = "detach_timeout";
+    // SPEC §12: a server before length_reason sends none, and a value this client does not know reads
+    // the same: either limit.
+    if (done?.finish_reason === "length" && F.LENGTH_REASONS.includes(done.length_reason)) this.lengthReason = done.length_reason;
     if (error) {
       this.#error = error;
       this.state = "failed";
@@ -168,6 +175,7 @@ export class ChatStream {
         text: this.text,
         finishReason: done.finish_reason,
         cancelReason: this.cancelReason,
+        lengthReason: this.lengthReason,
         offset: done.offset,
         // SPEC §4: a server before cached_tokens sends none; it reads as 0.
         usage: { ...done.usage, cached_tokens: done.usage.cached_tokens ?? 0 },

@@ -16,6 +16,8 @@ export const MAX_TOKEN_CHARS = 4096;
 export const MAX_DETACH_TIMEOUT_MS = 3600000;
 export const ROLES = Object.freeze(["system", "user", "assistant"]);
 export const FINISH_REASONS = Object.freeze(["stop", "length", "cancelled", "error"]);
+// done.length_reason (SPEC §12): which limit ended a `length` reply. Servers may add others.
+export const LENGTH_REASONS = Object.freeze(["max_tokens", "context"]);
 export const REQUEST_STATES = Object.freeze(["queued", "running", "done", "failed", "cancelled"]);
 const MAX_SEED = 2n ** 63n - 1n;
 
@@ -242,7 +244,11 @@ export function checkServerFrame(f) {
     case "delta":
       return str("id") && int("offset") && int("n") && str("text") ? null : "delta: bad fields";
     case "done":
-      return str("id") && int("offset") && FINISH_REASONS.includes(f.finish_reason) ? null : "done: bad fields";
+      // length_reason: any string, on a `length` end only (SPEC §5); absent from servers before it.
+      return str("id") && int("offset") && FINISH_REASONS.includes(f.finish_reason) &&
+        (f.length_reason == null || (str("length_reason") && f.finish_reason === "length"))
+        ? null
+        : "done: bad fields";
     case "error":
       return str("code") && (f.id == null || str("id")) ? null : "error: bad fields";
     default:

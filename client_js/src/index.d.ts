@@ -57,7 +57,8 @@ export interface ChatParams {
 
 /**
  * "cancelled": a cancel ended it, or the server's detach timeout did (nobody attached for it): then
- * `cancelReason` is "detach_timeout".
+ * `cancelReason` is "detach_timeout". "length": its max_tokens reached or the model's context window
+ * full; `lengthReason` says which, when the server does.
  */
 export type FinishReason = "stop" | "length" | "cancelled" | "error";
 /**
@@ -66,6 +67,14 @@ export type FinishReason = "stop" | "length" | "cancelled" | "error";
  * for any other end, and for a cancel_reason this client does not know (SPEC §10.5: a plain cancel).
  */
 export type CancelReason = "detach_timeout" | null;
+/**
+ * Which limit ended a request that finished "length" (SPEC §12, `done.length_reason`): "max_tokens", its
+ * max_tokens, as asked or as lowered by the server under load (SPEC §4.2); "context", the model's context
+ * window is full (more max_tokens would not help: start a new conversation or send a shorter one). null
+ * for any other end, from a server that does not say (one before it), and for a value this client does
+ * not know: then it may be either.
+ */
+export type LengthReason = "max_tokens" | "context" | null;
 export type RequestState = "queued" | "running" | "done" | "failed" | "cancelled";
 
 export interface Usage {
@@ -99,6 +108,7 @@ export interface ChatResult {
   text: string;
   finishReason: FinishReason;
   cancelReason: CancelReason;
+  lengthReason: LengthReason;
   /** Total completion tokens. */
   offset: number;
   usage: Usage;
@@ -125,6 +135,8 @@ export class ChatStream implements AsyncIterable<StreamItem> {
   readonly finishReason: FinishReason | null;
   /** Set at the end: "detach_timeout" when the server's detach timeout cancelled it, else null. */
   readonly cancelReason: CancelReason;
+  /** Set at the end: with finishReason "length", the limit that ended it when the server said, else null. */
+  readonly lengthReason: LengthReason;
   readonly ended: boolean;
   /** Resolves at `done`; rejects with a TokenwireError if the request failed or was lost. */
   readonly result: Promise<ChatResult>;
@@ -460,6 +472,8 @@ export namespace frames {
   const MAX_DETACH_TIMEOUT_MS: number;
   const ROLES: readonly Role[];
   const FINISH_REASONS: readonly FinishReason[];
+  /** The done.length_reason values this client knows. */
+  const LENGTH_REASONS: readonly Exclude<LengthReason, null>[];
   const REQUEST_STATES: readonly RequestState[];
   function codePoints(s: string): number;
   function checkId(id: string, where?: string): string;

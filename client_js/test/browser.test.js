@@ -5,9 +5,9 @@
 // the real server lists with --ui-connect, so the UI may use it through ?ws=) scripts what the tiny model
 // cannot be made to do on demand: a reply that never ends by itself (the Stop button's reply cannot
 // finish before the click), model output carrying HTML (shown as text, never executed), Markdown with
-// code. A second fake, not listed, is refused: a crafted ?ws= link sends it nothing. Screenshots of a
-// desktop and a 390x844 phone (empty state, streaming reply, settings open, server unreachable) are
-// saved under test-artifacts/.
+// code, replies cut at `length` by each limit. A second fake, not listed, is refused: a crafted ?ws=
+// link sends it nothing. Screenshots of a desktop and a 390x844 phone (empty state, streaming reply,
+// settings open, server unreachable) are saved under test-artifacts/.
 import assert from "node:assert/strict";
 import { existsSync, mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
@@ -38,9 +38,15 @@ const SCRIPT = {
   "Keep talking, then go away": { reply: ENDLESS, holdAt: 20 },
   "Reverse a string in Python": { reply: CODE_REPLY },
   "Reverse a string, slowly": { reply: CODE_REPLY, holdAt: 7 },
-  "A long answer please": { reply: ENDLESS.slice(0, 30), finish: "length" }, // asked with Max tokens 30
-  // Cut at `length` well before the max_tokens asked (256): the model's context window filled up.
-  "Go on with our very long conversation": { reply: ENDLESS.slice(0, 12), finish: "length" },
+  "A long answer please": { reply: ENDLESS.slice(0, 30), finish: "length", lengthReason: "max_tokens" }, // asked with Max tokens 30
+  // Cut at `length` well before the max_tokens asked (256): the model's context window filled up, as the
+  // server says, or as the page guesses when a server before length_reason says nothing.
+  "Go on with our very long conversation": { reply: ENDLESS.slice(0, 12), finish: "length", lengthReason: "context" },
+  "Go on, older server": { reply: ENDLESS.slice(0, 12), finish: "length" },
+  // Asked with Max tokens 30: the window filled at the 30th token too, and the server says context (SPEC §12).
+  "Fill the window to the last token": { reply: ENDLESS.slice(0, 30), finish: "length", lengthReason: "context" },
+  // Cut at 12 of the 256 asked by max_tokens: a busy server lowered it (SPEC §4.2).
+  "Answer while the server is busy": { reply: ENDLESS.slice(0, 12), finish: "length", lengthReason: "max_tokens" },
   "Tell me everything": { reply: ENDLESS.slice(0, 400) },
 };
 const lastQuestion = (f) => (f.messages ? f.messages.at(-1).content : f.content);
@@ -53,6 +59,7 @@ before(async () => {
     reply: (f) => SCRIPT[lastQuestion(f)]?.reply ?? HOSTILE.match(/[\s\S]{1,3}/g),
     holdAt: (f) => SCRIPT[lastQuestion(f)]?.holdAt ?? null,
     finish: (f) => SCRIPT[lastQuestion(f)]?.finish ?? "stop",
+    lengthReason: (f) => SCRIPT[lastQuestion(f)]?.lengthReason,
     delayMs: 2,
   }).start();
   evil = await new FakeServer({ reply: () => ["thanks"] }).start();
@@ -170,6 +177,15 @@ async function ask(page, text) {
 
 async function lastTurn(page) {
   return page.evaluate(() => window.tokenwireUI.turns.at(-1));
+}
+
+/** Send `question`, wait for its reply (the conversation's `turns`-th turn) to end at `length`, and give its note. */
+async function cutReply(page, question, turns) {
+  await page.fill("#prompt", question);
+  await page.click("#send");
+  await page.waitForFunction((n) => window.tokenwireUI.turns.length === n && window.tokenwireUI.turns.at(-1).status === "done", turns, { timeout: 15_000 });
+  assert.equal((await lastTurn(page)).finish, "length");
+  return page.locator(".turn.assistant").last().locator(".note");
 }
 
 /** The server's own record of a request, replayed from offset 0 with the page's session token. */
@@ -522,29 +538,45 @@ test("phone: a reply cut at max tokens says so in the conversation, above the me
 test("a reply cut by the model's context window says the conversation is too long, not to raise Max tokens", async () => {
   const { context, page, problems } = await openUI(`${server.origin}/?ws=${encodeURIComponent(fake.url)}`);
   const asked = await page.evaluate(() => window.tokenwireUI.config.defaults.max_tokens);
-  // finish_reason "length" after 12 tokens of the `asked` allowed (SPEC §12: max_tokens reached, or the
-  // model's context window full): the window, and more Max tokens would not help.
-  await page.fill("#prompt", "Go on with our very long conversation");
-  await page.click("#send");
-  await page.waitForFunction(() => window.tokenwireUI.turns.at(-1)?.status === "done", null, { timeout: 15_000 });
+  // finish_reason "length" after 12 tokens of the `asked` allowed, length_reason "context" (SPEC §12):
+  // the window, and more Max tokens would not help.
+  const note = await cutReply(page, "Go on with our very long conversation", 2);
   assert.equal(fake.received.filter((f) => f.type === "chat").at(-1).params.max_tokens, asked);
-  const cut = await lastTurn(page);
-  assert.equal(cut.finish, "length");
-  assert.equal(cut.content, ENDLESS.slice(0, 12).join(""));
-  const note = page.locator(".turn.assistant").last().locator(".note");
+  assert.equal((await lastTurn(page)).content, ENDLESS.slice(0, 12).join(""));
   const text = await note.textContent();
   assert.equal(text, `The reply was cut off after 12 tokens: the conversation is too long for the model's context window (Max tokens, ${asked}, was not reached). Start a New chat to get longer replies.`);
   assert.doesNotMatch(text, /Raise Max tokens/);
   assert.equal(await note.isVisible(), true);
   await shot(page, "ui-context-full");
 
-  // A reply that did use every token asked for keeps the advice to raise Max tokens.
+  // A server before length_reason does not say: a reply shorter than the Max tokens asked reads the same.
+  assert.equal(await (await cutReply(page, "Go on, older server", 4)).textContent(), text);
+
+  // A reply that did use every token asked for keeps the advice to raise Max tokens...
   await setMaxTokens(page, 30);
-  await page.fill("#prompt", "A long answer please");
-  await page.click("#send");
-  await page.waitForFunction(() => window.tokenwireUI.turns.length === 4 && window.tokenwireUI.turns.at(-1).status === "done", null, { timeout: 15_000 });
+  assert.equal(await (await cutReply(page, "A long answer please", 6)).textContent(), "The reply hit the max tokens limit (30 tokens) and was cut off. Raise Max tokens in Settings for longer replies.");
   assert.equal(fake.received.filter((f) => f.type === "chat").at(-1).params.max_tokens, 30);
-  assert.equal(await page.locator(".turn.assistant").last().locator(".note").textContent(), "The reply hit the max tokens limit (30 tokens) and was cut off. Raise Max tokens in Settings for longer replies.");
+  // ...unless the window filled at that token too: the server says context, and a new chat it is.
+  assert.equal(
+    await (await cutReply(page, "Fill the window to the last token", 8)).textContent(),
+    "The reply was cut off after 30 tokens: the conversation is too long for the model's context window. Start a New chat to get longer replies.",
+  );
+  assert.deepEqual(problems, []);
+  await context.close();
+});
+
+test("a reply a busy server shortened (max_tokens below the Max tokens asked) says so, not to raise Max tokens or start a new chat", async () => {
+  const { context, page, problems } = await openUI(`${server.origin}/?ws=${encodeURIComponent(fake.url)}`);
+  const asked = await page.evaluate(() => window.tokenwireUI.config.defaults.max_tokens);
+  // length_reason "max_tokens" after 12 tokens of the `asked` allowed: the server lowered max_tokens
+  // under load (SPEC §4.2), so another try later may go further.
+  const note = await cutReply(page, "Answer while the server is busy", 2);
+  assert.equal(fake.received.filter((f) => f.type === "chat").at(-1).params.max_tokens, asked);
+  const text = await note.textContent();
+  assert.equal(text, `The server was busy and shortened the reply to 12 tokens (Max tokens is ${asked}). Asking again later may give a longer one.`);
+  assert.doesNotMatch(text, /Raise Max tokens|New chat/);
+  assert.equal(await note.isVisible(), true);
+  await shot(page, "ui-server-busy");
   assert.deepEqual(problems, []);
   await context.close();
 });

@@ -8,7 +8,7 @@ import { after, test } from "node:test";
 
 import WebSocket from "ws";
 
-import { MAX_PERSISTED_BYTES, MemoryStorage, TokenwireClient, mmkvStorage, withAppState, withBrowserLifecycle, withNetInfo } from "../src/index.js";
+import { MAX_PERSISTED_BYTES, MemoryStorage, TokenwireClient, frames, mmkvStorage, withAppState, withBrowserLifecycle, withNetInfo } from "../src/index.js";
 import { FakeServer } from "../testing/fake-server.js";
 
 const TOKENS = Array.from({ length: 30 }, (_, i) => `t${i} `);
@@ -355,6 +355,53 @@ test("a reply the server's detach timeout ended says so (cancelReason), unlike a
   server.detachTimeout("dt3");
   server.requests.get("dt3").cancelReason = "something_new";
   assert.equal((await odd.result).cancelReason, null);
+});
+
+test("a reply cut at length says which limit (lengthReason): max_tokens, context, or null when unsaid or unknown", async () => {
+  // By id: [finish_reason, length_reason sent] (undefined: none, as from a server before it).
+  const ends = { ctx: ["length", "context"], max: ["length", "max_tokens"], plain: ["stop", undefined], odd: ["length", "something_new"], old: ["length", undefined] };
+  const server = await fake({ finish: (f) => ends[f.id][0], lengthReason: (f) => ends[f.id][1] });
+  const c = client(server.url);
+  await c.connect();
+  for (const [id, [finish, sent]] of Object.entries(ends)) {
+    const stream = c.chat("hi", {}, { id });
+    const done = await drain(stream);
+    assert.equal(done.finishReason, finish, id);
+    const want = ["context", "max_tokens"].includes(sent) ? sent : null; // SPEC §12: else either limit
+    assert.equal(done.lengthReason, want, id);
+    assert.equal(stream.lengthReason, want, id);
+    assert.equal(done.text, FULL, id);
+  }
+});
+
+test("a done whose length_reason is not a string, or comes with another finish than length, is a bad frame", async () => {
+  const ends = { stopped: ["stop", "context"], number: ["length", 7], fine: ["length", "context"] };
+  const server = await fake({ finish: (f) => ends[f.id][0], lengthReason: (f) => ends[f.id][1] });
+  const c = client(server.url);
+  const errors = [];
+  c.on("error", (e) => errors.push(e));
+  await c.connect();
+  const stopped = c.chat("hi", {}, { id: "stopped" });
+  const number = c.chat("hi", {}, { id: "number" });
+  await until(() => errors.length === 2, "two bad frames");
+  assert.deepEqual(errors.map((e) => [e.code, e.message]), [["bad_frame", "bad_frame: from server: done: bad fields"], ["bad_frame", "bad_frame: from server: done: bad fields"]]);
+  // Ignored as any bad frame: neither reply ended, and the connection goes on.
+  assert.equal(stopped.offset, TOKENS.length);
+  assert.equal(stopped.ended, false);
+  assert.equal(number.ended, false);
+  assert.equal(stopped.finishReason, null);
+  const fine = await drain(c.chat("hi", {}, { id: "fine" }));
+  assert.equal(fine.lengthReason, "context");
+  assert.equal(errors.length, 2);
+  // JSON's null is an absent field (SPEC §3); cancelled, stop and error take none.
+  const done = { type: "done", id: "r", offset: 0, usage: { prompt_tokens: 1, completion_tokens: 0 } };
+  assert.equal(frames.checkServerFrame({ ...done, finish_reason: "length", length_reason: null }), null);
+  assert.equal(frames.checkServerFrame({ ...done, finish_reason: "length", length_reason: "whatever" }), null);
+  for (const reason of ["stop", "cancelled", "error"]) {
+    assert.equal(frames.checkServerFrame({ ...done, finish_reason: reason, length_reason: "max_tokens" }), "done: bad fields", reason);
+  }
+  assert.equal(frames.checkServerFrame({ ...done, finish_reason: "length", length_reason: ["context"] }), "done: bad fields");
+  c.close();
 });
 
 test("detachTimeoutMs is checked at construction and sent on every chat that does not name its own", async () => {

@@ -14,12 +14,15 @@ export class FakeServer {
    * (a hello with another session_token is refused: unauthorized, close 1008); `holdAt(frame)`: a
    * token count after which that chat's stream waits until release(id) or a cancel (null: never), so a
    * reply that must still be streaming when the test acts cannot finish first; `finish(frame)`: the
-   * finish_reason of a reply that runs out of tokens (default "stop").
+   * finish_reason of a reply that runs out of tokens (default "stop"); `lengthReason(frame)`: the
+   * length_reason sent with that end (default none, as from a server before it), whatever its finish,
+   * so a test can also send a bad one.
    */
-  constructor({ reply, delayMs = 20, overload = 0, validToken = null, holdAt = () => null, finish = () => "stop" }) {
+  constructor({ reply, delayMs = 20, overload = 0, validToken = null, holdAt = () => null, finish = () => "stop", lengthReason = () => undefined }) {
     this.reply = reply;
     this.holdAt = holdAt;
     this.finish = finish;
+    this.lengthReason = lengthReason;
     this.connections = 0;
     this.delayMs = delayMs;
     this.overload = overload;
@@ -113,6 +116,7 @@ export class FakeServer {
           r.texts = this.reply(f);
           r.hold = this.holdAt(f);
           r.finish = this.finish(f);
+          r.lengthReason = this.lengthReason(f);
         }
         this.#stream(send, f.id, 0);
       } else if (f.type === "resume") this.#resume(send, f);
@@ -150,6 +154,7 @@ export class FakeServer {
     }
     const reason = r.cancelled != null ? "cancelled" : (r.finish ?? "stop");
     const why = reason === "cancelled" && r.cancelReason ? { cancel_reason: r.cancelReason } : {};
+    if (r.cancelled == null && r.lengthReason !== undefined) why.length_reason = r.lengthReason;
     send({ type: "done", id, finish_reason: reason, offset: i, usage: { prompt_tokens: 3, completion_tokens: i }, ...why });
   }
 

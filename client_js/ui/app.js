@@ -574,16 +574,20 @@ function setBusy(busy) {
   document.body.classList.toggle("busy", busy);
 }
 
-/** The note under a reply that ended `length`: its max_tokens reached, or the model's context window
- * full (SPEC §4.2, §12). `done` does not say which, but a reply shorter than the max_tokens it asked
- * for (`asked`; unknown for a reply resumed by id alone) was cut by the window: the conversation took
- * the rest of it, and raising Max tokens would change nothing. (One case no frame tells apart: a server
- * degrading under load lowers max_tokens itself, and its reply reads as a full window here.) */
+/** The note under a reply that ended `length` (SPEC §12): the model's context window full, or its
+ * max_tokens reached, as the page asked (`asked`; unknown for a reply resumed by id alone) or as lowered
+ * by a server busy under load (SPEC §4.2). `result.lengthReason` says which: "context" wants a new chat,
+ * and raising Max tokens would change nothing; "max_tokens" below `asked` was the server's doing, and
+ * asking later may give more. A server before length_reason says nothing (null): then a reply shorter
+ * than `asked` is taken for a full window, though a server lowering max_tokens under load reads the same. */
 function lengthNote(result, asked) {
   const n = result.offset ?? result.usage?.completion_tokens;
-  if (Number.isInteger(asked) && Number.isInteger(n) && n < asked) {
-    return `The reply was cut off after ${n} tokens: the conversation is too long for the model's context window (Max tokens, ${asked}, was not reached). Start a New chat to get longer replies.`;
+  const short = Number.isInteger(asked) && Number.isInteger(n) && n < asked;
+  const limit = result.lengthReason ?? (short ? "context" : "max_tokens");
+  if (limit === "context") {
+    return `The reply was cut off after ${n} tokens: the conversation is too long for the model's context window${short ? ` (Max tokens, ${asked}, was not reached)` : ""}. Start a New chat to get longer replies.`;
   }
+  if (short) return `The server was busy and shortened the reply to ${n} tokens (Max tokens is ${asked}). Asking again later may give a longer one.`;
   return `The reply hit the max tokens limit${n ? ` (${n} tokens)` : ""} and was cut off. Raise Max tokens in Settings for longer replies.`;
 }
 

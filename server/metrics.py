@@ -85,6 +85,12 @@ MODEL_QUEUE_DEPTH = Gauge(
 FINISHED = Counter(
     "tokenwire_requests_finished_total", "requests ended by this worker, by reason", ["reason"]
 )
+# Of the "length" ends, those the model's context window cut (done.length_reason "context"): a rising
+# share says conversations outgrow the model (a smaller --history-max-messages, or a longer context).
+CONTEXT_FULL = Counter(
+    "tokenwire_requests_context_full_total",
+    "requests this worker ended at the model's context window (finish length, length_reason context)",
+)
 TOKENS = Counter("tokenwire_tokens_generated_total", "completion tokens written to token logs")
 TTFT = Histogram(
     "tokenwire_ttft_seconds",

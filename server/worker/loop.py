@@ -538,6 +538,8 @@ class Worker:
                         timing.last = now
                 if ok and op.finish is not None:
                     metrics.FINISHED.labels(op.finish).inc()
+                    if op.finish == "length" and op.length_reason == "context":
+                        metrics.CONTEXT_FULL.inc()
                 if not ok and op.finish is None:
                     self.engine.cancel(key)  # cancelled or no longer ours: stop spending compute on it
                 if not ok or op.finish is not None:
@@ -546,7 +548,8 @@ class Worker:
                     t = self._timing.pop(key, None)
                     rlog = t.log if t is not None else log.bind(request_id=op.item.payload["id"])
                     if op.finish is not None:
-                        rlog.info("request.finished", finish=op.finish, tokens=op.offset + op.n)
+                        why = {"length_reason": op.length_reason} if op.finish == "length" else {}
+                        rlog.info("request.finished", finish=op.finish, tokens=op.offset + op.n, **why)
                     elif not ok:
                         rlog.info("request.stopped", reason="cancelled, detached or taken over")
             self._count_running()

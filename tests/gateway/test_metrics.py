@@ -70,6 +70,34 @@ async def test_metrics_parse_and_move(server: Running) -> None:
     assert 0.5 * rss < after[("process_resident_memory_bytes", ())] < 2 * rss
 
 
+async def test_replies_cut_by_the_context_window_are_counted(server: Running) -> None:
+    """tokenwire_requests_context_full_total counts the length ends whose length_reason is context, not
+    those of max_tokens: what tells an operator that conversations outgrow the model."""
+    loop = asyncio.get_running_loop()
+    before = await loop.run_in_executor(None, _scrape, server.port)
+    c = await Client.connect(server.url)
+    one = [{"role": "user", "content": "hi"}]
+    _, _, asked, _ = await collect(c.chat(messages=one, id="asked", params=Params(max_tokens=3)))
+    server.engine.context = 5  # one prompt token and four of completion fill the fake's window
+    _, _, cut, _ = await collect(c.chat(messages=one, id="cut", params=Params(max_tokens=50)))
+    await c.close()
+    assert asked is not None and asked.length_reason == "max_tokens"
+    assert cut is not None and cut.length_reason == "context"
+
+    def delta(after: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    # The worker counts after its write returns; the client may see the done first (as above).
+    for _ in range(300):
+        after = await loop.run_in_executor(None, _scrape, server.port)
+        if delta(after, "tokenwire_requests_finished_total", reason="length") >= 2:
+            break
+        await asyncio.sleep(0.05)
+    assert delta(after, "tokenwire_requests_finished_total", reason="length") == 2
+    assert delta(after, "tokenwire_requests_context_full_total") == 1
+
+
 async def test_bad_frames_are_counted_by_code(server: Running) -> None:
     loop = asyncio.get_running_loop()
     before = await loop.run_in_executor(None, _scrape, server.port)

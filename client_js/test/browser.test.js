@@ -47,6 +47,8 @@ const SCRIPT = {
   "Fill the window to the last token": { reply: ENDLESS.slice(0, 30), finish: "length", lengthReason: "context" },
   // Cut at 12 of the 256 asked by max_tokens: a busy server lowered it (SPEC §4.2).
   "Answer while the server is busy": { reply: ENDLESS.slice(0, 12), finish: "length", lengthReason: "max_tokens" },
+  // Asked with Max tokens 30 of a server whose own cap (welcome.limits.max_tokens) is 20.
+  "Answer up to this server's cap": { reply: ENDLESS.slice(0, 20), finish: "length", lengthReason: "max_tokens" },
   "Tell me everything": { reply: ENDLESS.slice(0, 400) },
 };
 const lastQuestion = (f) => (f.messages ? f.messages.at(-1).content : f.content);
@@ -579,6 +581,24 @@ test("a reply a busy server shortened (max_tokens below the Max tokens asked) sa
   await shot(page, "ui-server-busy");
   assert.deepEqual(problems, []);
   await context.close();
+});
+
+test("a reply cut at the server's own max_tokens cap, below the Max tokens asked, names that cap, not a busy server", async () => {
+  fake.maxTokens = 20; // welcome.limits.max_tokens of the server the page talks to (not its config.json's)
+  try {
+    const { context, page, problems } = await openUI(`${server.origin}/?ws=${encodeURIComponent(fake.url)}`);
+    await page.waitForFunction(() => window.tokenwireUI.client.welcome?.limits?.max_tokens === 20, null, { timeout: 15_000 });
+    await setMaxTokens(page, 30);
+    const note = await cutReply(page, "Answer up to this server's cap", 2);
+    assert.equal(fake.received.filter((f) => f.type === "chat").at(-1).params.max_tokens, 30);
+    const text = await note.textContent();
+    assert.equal(text, "The reply hit this server's limit of 20 tokens a reply (Max tokens, 30, is above it) and was cut off.");
+    assert.doesNotMatch(text, /busy|New chat|Raise Max tokens/);
+    assert.deepEqual(problems, []);
+    await context.close();
+  } finally {
+    fake.maxTokens = 8192;
+  }
 });
 
 test("a question sent while the server is unreachable survives the tab being closed: reopened, it is sent and answered", async () => {

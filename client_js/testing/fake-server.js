@@ -28,6 +28,7 @@ export class FakeServer {
     this.overload = overload;
     this.validToken = validToken;
     this.models = null; // set to an array: welcome lists these models and accepted names the chat's
+    this.maxTokens = 8192; // welcome.limits.max_tokens: the most tokens a reply may have here
     this.requests = new Map(); // id -> {texts, epoch, hold, cancelled, sent}
     this.received = [];
     this.sockets = new Set();
@@ -99,7 +100,7 @@ export class FakeServer {
           return ws.close(1008, "unauthorized");
         }
         hello = true;
-        const welcome = { type: "welcome", v: 1, session: "fake", session_token: this.validToken ?? "fake.token", server: "fake", limits: { max_frame_bytes: 1048576, max_tokens: 8192 } };
+        const welcome = { type: "welcome", v: 1, session: "fake", session_token: this.validToken ?? "fake.token", server: "fake", limits: { max_frame_bytes: 1048576, max_tokens: this.maxTokens } };
         if (this.models) welcome.models = this.models;
         send(welcome);
         for (const p of f.resume ?? []) this.#resume(send, p);

@@ -575,18 +575,22 @@ function setBusy(busy) {
 }
 
 /** The note under a reply that ended `length` (SPEC §12): the model's context window full, or its
- * max_tokens reached, as the page asked (`asked`; unknown for a reply resumed by id alone) or as lowered
- * by a server busy under load (SPEC §4.2). `result.lengthReason` says which: "context" wants a new chat,
- * and raising Max tokens would change nothing; "max_tokens" below `asked` was the server's doing, and
- * asking later may give more. A server before length_reason says nothing (null): then a reply shorter
- * than `asked` is taken for a full window, though a server lowering max_tokens under load reads the same. */
-function lengthNote(result, asked) {
+ * max_tokens reached: as the page asked (`asked`; unknown for a reply resumed by id alone), as lowered
+ * to the server's own cap (`cap`, welcome.limits.max_tokens: a page pointed at another server, or whose
+ * config.json did not load, may ask for more), or as lowered by a server busy under load (SPEC §4.2).
+ * `result.lengthReason` says which limit: "context" wants a new chat, and raising Max tokens would change
+ * nothing; "max_tokens" below `asked` and below `cap` was the busy server's doing, and asking later may
+ * give more. A server before length_reason says nothing (null): then a reply shorter than `asked` is
+ * taken for a full window, though a server lowering max_tokens under load reads the same. */
+function lengthNote(result, asked, cap) {
   const n = result.offset ?? result.usage?.completion_tokens;
   const short = Number.isInteger(asked) && Number.isInteger(n) && n < asked;
-  const limit = result.lengthReason ?? (short ? "context" : "max_tokens");
+  const capped = short && Number.isInteger(cap) && cap < asked && n >= cap;
+  const limit = result.lengthReason ?? (capped ? "max_tokens" : short ? "context" : "max_tokens");
   if (limit === "context") {
     return `The reply was cut off after ${n} tokens: the conversation is too long for the model's context window${short ? ` (Max tokens, ${asked}, was not reached)` : ""}. Start a New chat to get longer replies.`;
   }
+  if (capped) return `The reply hit this server's limit of ${cap} tokens a reply (Max tokens, ${asked}, is above it) and was cut off.`;
   if (short) return `The server was busy and shortened the reply to ${n} tokens (Max tokens is ${asked}). Asking again later may give a longer one.`;
   return `The reply hit the max tokens limit${n ? ` (${n} tokens)` : ""} and was cut off. Raise Max tokens in Settings for longer replies.`;
 }
@@ -621,7 +625,7 @@ async function stream(turn, chatStream, { resumed = false } = {}) {
     // Cancelled by the server's detach timeout (nobody attached for it: the page was asleep or offline
     // too long) is not the user's Stop, and says so.
     if (result.finishReason === "cancelled") turn.note = result.cancelReason === "detach_timeout" ? "interrupted (the page was away too long)" : "stopped";
-    else if (result.finishReason === "length") turn.note = lengthNote(result, turn.request?.params?.max_tokens);
+    else if (result.finishReason === "length") turn.note = lengthNote(result, turn.request?.params?.max_tokens, client.welcome?.limits?.max_tokens);
     else turn.note = "";
   } catch (err) {
     turn.status = "error";

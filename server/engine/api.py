@@ -109,6 +109,19 @@ def length_reason(finish: str | None, *, context_full: bool) -> str:
     return "context" if context_full else "max_tokens"
 
 
+def resumed_at_end(
+    key: str, start: int, n_prompt: int, max_tokens: int, max_context: int
+) -> StepOutput | None:
+    """The end of a request resumed with ``start`` tokens logged and nothing left to generate (its
+    max_tokens reached, or its prompt and those tokens already fill the context window), which a worker
+    that died between its last token and its end leaves; None when there is room for more."""
+    context_full = n_prompt + start >= max_context
+    if start < max_tokens and not context_full:
+        return None
+    why = length_reason("length", context_full=context_full)
+    return StepOutput(key, start, 0, "", finish="length", prompt_tokens=n_prompt, length_reason=why)
+
+
 StepCallback = Callable[[list[StepOutput]], None]
 
 

@@ -20,7 +20,7 @@ from server.engine.api import (
     EngineOverloaded,
     GenerationRequest,
     StepOutput,
-    length_reason,
+    resumed_at_end,
 )
 from server.engine.model import LoadedModel
 from server.engine.profile import StepProfile
@@ -315,13 +315,9 @@ class BatchingEngine(ThreadedEngine):
         except PromptTooLarge as exc:
             outs.append(error_output(req.key, start, "too_large", str(exc)))
             return
-        context_full = len(ids) + start >= self.max_context
-        if start >= req.params.max_tokens or context_full:
-            # Resumed at (or past) its end: nothing left to generate.
-            why = length_reason("length", context_full=context_full)
-            outs.append(
-                StepOutput(req.key, start, 0, "", finish="length", prompt_tokens=len(ids), length_reason=why)
-            )
+        end = resumed_at_end(req.key, start, len(ids), req.params.max_tokens, self.max_context)
+        if end is not None:
+            outs.append(end)
             return
         try:
             self.sched.add(

@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 import torch
 
-from server.engine.api import GenerationRequest, StepOutput, length_reason
+from server.engine.api import GenerationRequest, StepOutput, length_reason, resumed_at_end
 from server.engine.detok import Detokenizer
 from server.engine.model import LoadedModel
 from server.engine.penalties import apply_penalties
@@ -76,6 +76,10 @@ class SimpleEngine(ThreadedEngine):
             ids = checked_ids(req.prompt_ids, self.max_prompt_tokens)
         except PromptTooLarge as exc:
             outs.append(error_output(req.key, len(req.resume_ids), "too_large", str(exc)))
+            return
+        end = resumed_at_end(req.key, len(req.resume_ids), len(ids), req.params.max_tokens, self.max_context)
+        if end is not None:
+            outs.append(end)
             return
         detok = Detokenizer(self.m.decode, req.params.stop)
         detok.prime(req.resume_ids)

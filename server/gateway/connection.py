@@ -615,6 +615,7 @@ class Connection:
                     cached_tokens=end.cached_tokens,
                 ),
                 cancel_reason=end.cancel_reason or None,
-                length_reason=end.length_reason or None,
+                # Only a length has one (SPEC 5): a receiver takes it on another end for a bad frame.
+                length_reason=(end.length_reason or None) if end.finish == "length" else None,
             )
         )

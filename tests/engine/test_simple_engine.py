@@ -62,6 +62,31 @@ def test_greedy_matches_generate_and_offsets_are_contiguous(tiny: LoadedModel) -
         assert ids is None or ids == ref
 
 
+def test_a_request_resumed_at_its_end_ends_with_no_more_tokens(tiny: LoadedModel) -> None:
+    """A worker that died between a request's last token and its end leaves a log that a resume finds
+    full: it ends "length" at once, no token past max_tokens (nor past the context window), with the
+    limit it had reached (done.length_reason)."""
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    full = run_all(SimpleEngine(tiny), [GenerationRequest("r", [{"role": "user", "content": "Hello"}], p)])
+    ids = [t for o in full["r"] for t in o.token_ids]
+    assert len(ids) == 6 and full["r"][-1].length_reason == "max_tokens"
+    again = run_all(
+        SimpleEngine(tiny),
+        [GenerationRequest("r", [{"role": "user", "content": "Hello"}], p, resume_ids=ids)],
+    )
+    assert [(o.offset, o.n, o.finish, o.length_reason) for o in again["r"]] == [
+        (6, 0, "length", "max_tokens")
+    ]
+    engine = SimpleEngine(tiny)
+    hi = [{"role": "user", "content": "Hi"}]
+    prompt = engine.prepare(GenerationRequest("w", hi)).prompt_ids
+    assert prompt is not None
+    room = engine.max_context - len(prompt)  # logged tokens that fill the window to its last position
+    window = SamplingParams(max_tokens=room + 10, temperature=0, ignore_eos=True)
+    again = run_all(engine, [GenerationRequest("w", hi, window, resume_ids=[5] * room)])
+    assert [(o.n, o.finish, o.length_reason) for o in again["w"]] == [(0, "length", "context")]
+
+
 def test_same_seed_same_text_and_max_tokens(tiny: LoadedModel) -> None:
     p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
     reqs = [GenerationRequest(k, [{"role": "user", "content": "Hello"}], p) for k in ("a", "b")]

@@ -310,7 +310,8 @@ def load_engine(
     from server.engine.threads import in_own_thread
 
     def load() -> tuple[Any, Any]:
-        loaded = load_model(model, device=device, dtype=dtype)
+        # lite: no transformers modeling code in a serving process (90 MiB; engine/lite.py).
+        loaded = load_model(model, device=device, dtype=dtype, lite=True)
         overrides: dict[str, Any] = {"prompt_sharing": prompt_sharing}
         if kv_budget_mb:
             overrides["kv_budget_mb"] = kv_budget_mb

@@ -41,7 +41,7 @@ class ModelNotFound(RuntimeError):
 
 @dataclass
 class LoadedModel:
-    model: Any  # a transformers PreTrainedModel
+    model: Any  # a transformers PreTrainedModel, or lite.LiteLlama when serving (no forward of its own)
     tokenizer: Any  # a transformers tokenizer
     name: str
     eos_ids: frozenset[int]
@@ -142,12 +142,16 @@ def pick_device(requested: str | None) -> str:
 
 
 def load_model(
-    model_dir: str | Path | None = None, *, device: str | None = None, dtype: str = "auto"
+    model_dir: str | Path | None = None, *, device: str | None = None, dtype: str = "auto", lite: bool = False
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer from ``model_dir`` (default: the packaged SmolLM2)."""
+    """Load a causal LM and its tokenizer from ``model_dir`` (default: the packaged SmolLM2). ``lite``
+    (serving): a plain Llama folder on CPU loads without transformers' modeling code (lite.py), as a
+    module tree with no forward of its own; anything else, and any load without ``lite``, through
+    transformers."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from server.engine import lite as lite_mod
 
     transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     t0 = time.perf_counter()
@@ -168,13 +172,23 @@ def load_model(
         torch_dtype = torch.float32
     else:
         torch_dtype = getattr(torch, dtype)
-    attn = "sdpa"
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch_dtype, local_files_only=True, attn_implementation=attn
-    )
-    model.to(dev)
-    model.eval()
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    why_not = lite_mod.lite_reason(path) if lite else "not asked"
+    if why_not is None and dev == "cpu":
+        from transformers import PreTrainedTokenizerFast  # the tokenizer's class imports no modeling code
+
+        model: Any = lite_mod.load(path, torch_dtype)
+        tok: Any = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if lite:
+            log.info("model.lite_skipped", reason=why_not or f"device {dev}")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa"
+        )
+        model.to(dev)
+        model.eval()
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     eos: set[int] = set()
     for src in (model.generation_config.eos_token_id if model.generation_config else None, tok.eos_token_id):
         if isinstance(src, int):

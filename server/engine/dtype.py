@@ -193,14 +193,11 @@ class Int4Choice(NamedTuple):
     remembered: bool = False
 
 
-def int4_known_unused(
-    model: Any, requested: str, cache_dir: Path | None, *, float32_too: bool = False
-) -> bool:
-    """Whether this start will not use the 4-bit copies unless named, as far as the choices remembered
-    on this machine tell: ``auto`` will serve float32 (the copies serve bf16 unless named, or float32
-    too with ``float32_too``: ``TOKENWIRE_INT4_ROWS=auto``), or an earlier start measured them no
-    faster in the dtype it will serve. Then a start need not look for them (0.7 s for SmolLM2-135M).
-    False when anything is unknown: then they are looked for."""
+def int4_known_unused(model: Any, requested: str, cache_dir: Path | None) -> bool:
+    """Whether this start will not use the 4-bit copies unless a row count is named, as far as the
+    choices remembered on this machine tell: an earlier start measured them no faster in the dtype this
+    one will serve. Then a start need not look for them (0.7 s for SmolLM2-135M). False when anything is
+    unknown: then they are looked for."""
     n_params = _measurable_params(model)
     if n_params is None or requested not in ("auto", "bfloat16"):
         return False
@@ -210,8 +207,6 @@ def int4_known_unused(
         if known is None:
             return False
         serves = str(known["chosen"])
-    if serves == "float32" and not float32_too:
-        return True
     entry = _remembered(cache_dir, _int4_key(model, n_params, serves), allowed=INT4_CHOICES)
     return entry is not None and entry["chosen"] == "0"
 

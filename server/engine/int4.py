@@ -11,10 +11,10 @@ rows, though, so its cost grows with the rows (48.6 against 17.6 ms at 32): it p
 a lone user or a quiet server, and which row counts it wins is measured at load
 (``dtype.pick_int4_rows``), never assumed. Its float32 path is not vectorised (100 ms at one row), so it
 runs with bf16 activations only: a CPU serving float32 (chosen by ``--dtype auto``; never when float32 is
-asked for) may round a small step's activations to bf16 for these GEMMs when ``TOKENWIRE_INT4_ROWS``
-asks, with a row count or ``auto`` to measure it (a 1-row step on an AVX2-only EPYC, which serves
-float32, took 25.5 ms so against 43.2), at 70 MiB that would take an idle float32 server over 1 GB:
-asked for, not by default.
+asked for) rounds a small step's activations to bf16 for these GEMMs, up to the row count measured as in
+bf16 (a 1-row step on an AVX2-only EPYC, which serves float32, took 25.5 ms so against 43.2), at about
+70 MiB, which an idle float32 server has room for under 1 GB since serving loads without transformers'
+modeling code (lite.py).
 
 Nothing is quantised here: ``exact`` finds a weight's grid and returns None unless every value lies on
 it, to float32 precision. A checkpoint in bf16 or float32 that was never 4-bit keeps its plain GEMMs. The

@@ -254,15 +254,16 @@ def settle_decode_kernel(loaded: LoadedModel, cache_dir: Path | None = None) -> 
 
 
 MAX_INT4_ROWS = 4096  # TOKENWIRE_INT4_ROWS's bound: more rows than any step runs
-MEASURE_INT4: Literal["auto"] = "auto"  # TOKENWIRE_INT4_ROWS=auto: measured in float32 too, as bf16 always is
+# TOKENWIRE_INT4_ROWS=auto: measured, as unset is (it once asked for float32's measurement, which was off
+# by default until serving's lite load made the room for the copies); still accepted.
+MEASURE_INT4: Literal["auto"] = "auto"
 
 Int4Asked = int | Literal["auto"] | None  # a row count, "auto", or None when unset
 
 
 def named_int4_rows() -> Int4Asked:
-    """``TOKENWIRE_INT4_ROWS`` as a row count (0: the 4-bit copies never serve), ``"auto"`` (measured
-    whatever the dtype auto serves, float32 included), or None when unset; a value that is none of them
-    is a clear error, whatever the model."""
+    """``TOKENWIRE_INT4_ROWS`` as a row count (0: the 4-bit copies never serve), ``"auto"`` (measured, as
+    when unset), or None when unset; a value that is none of them is a clear error, whatever the model."""
     named = os.environ.get("TOKENWIRE_INT4_ROWS", "")
     if not named:
         return None
@@ -312,9 +313,7 @@ def exact_int4(
     measured = not isinstance(named, int)  # unset or auto: the row count will be measured
     if measured and dtype_mod._measurable_params(loaded.model) is None:
         return None, "off (model too small to measure, or not on the Llama path)"
-    if measured and dtype_mod.int4_known_unused(
-        loaded.model, requested, cache_dir, float32_too=named == MEASURE_INT4
-    ):
+    if measured and dtype_mod.int4_known_unused(loaded.model, requested, cache_dir):
         return None, "off (an earlier start on this machine measured them no faster)"
     not_4bit = "off (the layers' weights are not exactly 4-bit, bias-free, float32 at load)"
     if loaded.dtype != torch.float32 or llama.unsupported_reason(loaded.model) is not None:
@@ -336,9 +335,9 @@ def settle_int4(
     named: Int4Asked = None,
 ) -> None:
     """Up to how many rows a decode step reads the 4-bit copies (``found``: what ``exact_int4`` gave):
-    none unless the model is 4-bit and on CPU; in bf16, measured (dtype.pick_int4_rows), logged and
-    remembered, or ``named`` (``TOKENWIRE_INT4_ROWS``; 0 turns them off); in float32 (``--dtype
-    auto``'s choice, never as asked) only when named: a row count, or ``auto`` to measure it as bf16's."""
+    none unless the model is 4-bit and on CPU, and never with ``--dtype float32`` as asked; measured
+    (dtype.pick_int4_rows), logged and remembered, in bf16 and in float32 (``--dtype auto``'s choice), or
+    ``named`` (``TOKENWIRE_INT4_ROWS``; 0 turns them off)."""
     import torch
 
     from server.engine import dtype as dtype_mod
@@ -353,12 +352,9 @@ def settle_int4(
     if named == 0:
         loaded.int4_note = "off (TOKENWIRE_INT4_ROWS=0)"
         return
-    if loaded.dtype == torch.float32 and named is None:
-        # Faster for a lone user where a CPU chooses float32 (1.6x on an AVX2-only EPYC), but they add
-        # ~70 MiB to the ~940 an idle float32 server holds, and issue 26 keeps that under 1 GB: asked
-        # for (a row count, or auto to measure it), not assumed.
-        loaded.int4_note = "off in float32 unless TOKENWIRE_INT4_ROWS=auto or N asks (about 70 MiB more)"
-        return
+    # In float32 too (auto's choice): a lone user's tokens 1.6-1.8x faster where a CPU chooses float32,
+    # for ~70 MiB, which issue 26's 1 GB has room for since serving's lite load (lite.py) left out 90 MiB
+    # of transformers' imports: 912-929 MiB idle in float32 on an AVX512-BF16 EPYC, 839-840 without.
     if layers is None:
         loaded.int4_note = why_not
         return

@@ -109,3 +109,14 @@ def test_default_model_lite_matches_transformers() -> None:
     for messages in CONVERSATIONS:
         assert lt.encode_chat(messages) == hf.encode_chat(messages)
     assert isinstance(lt, LoadedModel)
+
+
+def test_the_default_rope_is_read_from_either_config_layout() -> None:
+    """transformers 5 writes rope_parameters; folders saved by older versions (or another tool) have a
+    top-level rope_theta and rope_scaling. Only the default RoPE loads lite; anything scaled falls back."""
+    assert lite.rope_theta({"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}) == 100000.0
+    assert lite.rope_theta({"rope_parameters": {"rope_theta": 5e5}}) == 5e5  # rope_type absent: default
+    assert lite.rope_theta({"rope_theta": 500000.0, "rope_scaling": None}) == 500000.0
+    assert lite.rope_theta({}) == 10000.0  # Llama's default base
+    assert lite.rope_theta({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}) is None
+    assert lite.rope_theta({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}) is None

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 
@@ -254,27 +254,23 @@ def settle_decode_kernel(loaded: LoadedModel, cache_dir: Path | None = None) -> 
 
 
 MAX_INT4_ROWS = 4096  # TOKENWIRE_INT4_ROWS's bound: more rows than any step runs
-# TOKENWIRE_INT4_ROWS=auto: measured, as unset is (it once asked for float32's measurement, which was off
-# by default until serving's lite load made the room for the copies); still accepted.
-MEASURE_INT4: Literal["auto"] = "auto"
-
-Int4Asked = int | Literal["auto"] | None  # a row count, "auto", or None when unset
+# TOKENWIRE_INT4_ROWS=auto: measured, as unset is. It once asked for float32's measurement, off by default
+# until serving's lite load made room for the copies; still accepted, and now read as unset.
+MEASURE_INT4 = "auto"
 
 
-def named_int4_rows() -> Int4Asked:
-    """``TOKENWIRE_INT4_ROWS`` as a row count (0: the 4-bit copies never serve), ``"auto"`` (measured, as
-    when unset), or None when unset; a value that is none of them is a clear error, whatever the model."""
+def named_int4_rows() -> int | None:
+    """``TOKENWIRE_INT4_ROWS`` as a row count (0: the 4-bit copies never serve), or None when unset or
+    ``auto`` (the row count measured); a value that is none of them is a clear error, whatever the model."""
     named = os.environ.get("TOKENWIRE_INT4_ROWS", "")
-    if not named:
+    if not named or named == MEASURE_INT4:
         return None
-    if named == MEASURE_INT4:
-        return MEASURE_INT4
     if not (named.isascii() and named.isdigit() and int(named) <= MAX_INT4_ROWS):
         raise ValueError(f"TOKENWIRE_INT4_ROWS={named}: a number of rows, 0 to {MAX_INT4_ROWS}, or auto")
     return int(named)
 
 
-def may_hold_4bit(path: Path, named: Int4Asked) -> bool:
+def may_hold_4bit(path: Path, named: int | None) -> bool:
     """Whether the checkpoint at ``path`` could hold exact 4-bit weights for the engine (a float32 Llama
     as its config says), so that ``--dtype bfloat16`` on CPU loads it in float32 first to look: anything
     else loads in bf16 as asked, at half the memory (and keeps the modules transformers keeps in float32)."""
@@ -295,7 +291,7 @@ def may_hold_4bit(path: Path, named: Int4Asked) -> bool:
 
 
 def exact_int4(
-    loaded: LoadedModel, requested: str, named: Int4Asked = None, cache_dir: Path | None = None
+    loaded: LoadedModel, requested: str, named: int | None = None, cache_dir: Path | None = None
 ) -> tuple[tuple[dict[str, Any], ...] | None, str]:
     """The layers' 4-bit copies when the model, as loaded (float32, on CPU, before any cast), holds
     exactly 4-bit weights (int4.py), and they might serve: not with ``--dtype float32`` (asked for, its
@@ -310,10 +306,9 @@ def exact_int4(
 
     if loaded.device != "cpu" or requested == "float32" or named == 0:
         return None, ""
-    measured = not isinstance(named, int)  # unset or auto: the row count will be measured
-    if measured and dtype_mod._measurable_params(loaded.model) is None:
+    if named is None and dtype_mod._measurable_params(loaded.model) is None:
         return None, "off (model too small to measure, or not on the Llama path)"
-    if measured and dtype_mod.int4_known_unused(loaded.model, requested, cache_dir):
+    if named is None and dtype_mod.int4_known_unused(loaded.model, requested, cache_dir):
         return None, "off (an earlier start on this machine measured them no faster)"
     not_4bit = "off (the layers' weights are not exactly 4-bit, bias-free, float32 at load)"
     if loaded.dtype != torch.float32 or llama.unsupported_reason(loaded.model) is not None:
@@ -332,7 +327,7 @@ def settle_int4(
     cache_dir: Path | None = None,
     *,
     requested: str = "auto",
-    named: Int4Asked = None,
+    named: int | None = None,
 ) -> None:
     """Up to how many rows a decode step reads the 4-bit copies (``found``: what ``exact_int4`` gave):
     none unless the model is 4-bit and on CPU, and never with ``--dtype float32`` as asked; measured
@@ -359,7 +354,7 @@ def settle_int4(
         loaded.int4_note = why_not
         return
     layers = tuple({name: w.to(torch.bfloat16) for name, w in layer.items()} for layer in layers)
-    if isinstance(named, int):
+    if named is not None:
         rows, loaded.int4_note = named, f"up to {named} rows (TOKENWIRE_INT4_ROWS)"
     else:
         choice = dtype_mod.pick_int4_rows(loaded.model, layers, loaded.decode_kernel, cache_dir)

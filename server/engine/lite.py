@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from server.engine import llama
+
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -67,8 +69,9 @@ def lite_reason(path: Path) -> str | None:
 
 
 class _Rotary(nn.Module):
-    """transformers' default RoPE (LlamaRotaryEmbedding, rope_type "default"), op for op, so the engine's
-    tables (``llama.weights_of``) come out bit for bit as from transformers' module."""
+    """transformers' default RoPE (LlamaRotaryEmbedding, rope_type "default"), op for op (but for its
+    multiplication by an attention scaling of 1.0, exact), so the engine's tables (``llama.weights_of``)
+    come out bit for bit as from transformers' module."""
 
     inv_freq: Tensor
 
@@ -80,7 +83,7 @@ class _Rotary(nn.Module):
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * 1.0).to(dtype=x.dtype), (emb.sin() * 1.0).to(dtype=x.dtype)
+        return emb.cos().to(dtype=x.dtype), emb.sin().to(dtype=x.dtype)
 
 
 class _Weight(nn.Module):
@@ -124,19 +127,16 @@ class LiteLlama(nn.Module):
         self.config = SimpleNamespace(**cfg)
         self.config._name_or_path = name_or_path  # as transformers sets it: the dtype choices' key reads it
         self.name_or_path = name_or_path  # the folder, where mapped.py finds the embedding
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        hidden = int(cfg["hidden_size"])
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        s = llama.shape_of_config(self.config)  # the engine's reading of it: the same defaults
         inter = int(cfg["intermediate_size"])
         self.model = nn.Module()
-        self.model.embed_tokens = _Weight(int(cfg["vocab_size"]), hidden)
+        self.model.embed_tokens = _Weight(s.vocab, s.hidden)
         self.model.layers = nn.ModuleList(
-            _Layer(hidden, inter, heads, kv_heads, head_dim) for _ in range(int(cfg["num_hidden_layers"]))
+            _Layer(s.hidden, inter, s.n_heads, s.n_kv_heads, s.head_dim) for _ in range(s.n_layers)
         )
-        self.model.norm = _Weight(hidden)
-        self.lm_head = _linear(hidden, int(cfg["vocab_size"]))
-        self.head_dim = head_dim
+        self.model.norm = _Weight(s.hidden)
+        self.lm_head = _linear(s.hidden, s.vocab)
+        self.head_dim = s.head_dim
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("the lite serving model has no forward: the engine runs llama.forward")

@@ -121,7 +121,11 @@ def unsupported_reason(model: Any) -> str | None:
 
 
 def shape_of(model: Any) -> Shape:
-    cfg = model.config
+    return shape_of_config(model.config)
+
+
+def shape_of_config(cfg: Any) -> Shape:
+    """The shape from a transformers config (or anything with its attribute names: lite.py's)."""
     n_heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
     return Shape(

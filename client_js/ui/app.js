@@ -586,7 +586,7 @@ function lengthNote(result, asked, cap) {
   const n = result.offset ?? result.usage?.completion_tokens;
   const short = Number.isInteger(asked) && Number.isInteger(n) && n < asked;
   const capped = short && Number.isInteger(cap) && cap < asked && n >= cap;
-  const limit = result.lengthReason ?? (capped ? "max_tokens" : short ? "context" : "max_tokens");
+  const limit = result.lengthReason ?? (short && !capped ? "context" : "max_tokens");
   if (limit === "context") {
     return `The reply was cut off after ${n} tokens: the conversation is too long for the model's context window${short ? ` (Max tokens, ${asked}, was not reached)` : ""}. Start a New chat to get longer replies.`;
   }

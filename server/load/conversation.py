@@ -147,6 +147,9 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens, those the server reports it did not compute (usage)
     finish_reason: str | None = None
+    # With finish_reason "length": "max_tokens" or "context" as the server said (done.length_reason,
+    # SPEC 12); None where it said neither (the OpenAI doors have no such field).
+    length_reason: str | None = None
     error_code: str | None = None
     kills: int = 0
     resumes: int = 0
@@ -404,6 +407,7 @@ class Conversation:
                 rec.prompt_tokens = frame.usage.prompt_tokens
                 rec.cached_tokens = frame.usage.cached_tokens
                 rec.finish_reason = frame.finish_reason
+                rec.length_reason = frame.length_reason
                 if frame.finish_reason == "error":
                     rec.error_code = live.pending_error or "finish_error"
                 elif frame.finish_reason == "cancelled":

@@ -67,6 +67,7 @@ class EngineDriver:
                 rec.prompt_tokens = o.prompt_tokens
                 rec.cached_tokens = o.cached_tokens
                 rec.finish_reason = o.finish
+                rec.length_reason = o.length_reason or None
                 if o.finish == "error":
                     rec.error_code = o.error_code or "finish_error"
                 del self.pending[o.key]

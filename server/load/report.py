@@ -77,6 +77,7 @@ def build_report(res: LoadResult) -> dict[str, Any]:
     if unfinished:
         by_code["unfinished"] += unfinished
     violations = [v for r in recs for v in r.violations]
+    lengths = Counter(r.length_reason or "unsaid" for r in recs if r.finish_reason == "length")
     tokens = sum(r.tokens for r in recs)
     streamed = sum(res.buckets)
     window = res.window_s
@@ -97,6 +98,10 @@ def build_report(res: LoadResult) -> dict[str, Any]:
             "failed_by_code": dict(sorted(by_code.items())),
             "last_connect_error": res.connect_error or None,
             "finish_reasons": dict(sorted(Counter(r.finish_reason or "none" for r in recs).items())),
+            # Of the "length" finishes, which limit ended them (done.length_reason): "context" means the
+            # prompts filled the model's window, not that max_tokens was reached; "unsaid" where the door
+            # has no such field (OpenAI's) or an older server sent none.
+            "length_reasons": dict(sorted(lengths.items())),
             "per_s": round(len(ok) / window, 3) if window > 0 else None,
         },
         "tokens": {
@@ -166,6 +171,17 @@ def _fmt(v: object, unit: str = "") -> str:
     return f"{v}{unit}"
 
 
+def _finishes(rq: dict[str, Any]) -> str:
+    """``stop 10, length 6 (max_tokens 5, context 1)``: how the requests ended, and which limit ended the
+    length ones (a load whose prompts fill the context window says so here)."""
+    parts = []
+    for reason, n in rq["finish_reasons"].items():
+        limits = rq["length_reasons"] if reason == "length" else None
+        why = f" ({', '.join(f'{k} {v}' for k, v in limits.items())})" if limits else ""
+        parts.append(f"{reason} {n}{why}")
+    return ", ".join(parts) or "none"
+
+
 def print_table(report: dict[str, Any]) -> None:
     """The report as a rich table on stdout."""
     from rich.console import Console
@@ -179,6 +195,7 @@ def print_table(report: dict[str, Any]) -> None:
     if rq["issued"]:
         codes = ", ".join(f"{k} {v}" for k, v in rq["failed_by_code"].items()) or "none"
         t.add_row("requests", f"{rq['issued']} issued, {rq['ok']} ok, {rq['failed']} failed ({codes})")
+        t.add_row("finishes", _finishes(rq))
         if rq.get("last_connect_error"):
             t.add_row("connect error", f"[yellow]{rq['last_connect_error']}[/yellow] (the last; retried)")
         t.add_row("tokens", f"{tk['completion']} completion, {_fmt(tk['per_s'])} tokens/s")

@@ -51,6 +51,7 @@ def _check_counts(rep: dict[str, Any]) -> None:
     assert rq["issued"] == rq["ok"] + rq["failed"]
     assert sum(rq["failed_by_code"].values()) == rq["failed"]
     assert sum(rq["finish_reasons"].values()) == rq["issued"]
+    assert sum(rq["length_reasons"].values()) == rq["finish_reasons"].get("length", 0)
     assert rq["failed"] == 0, rq["failed_by_code"]
     assert dr["integrity_violations"] == 0, dr["violations"]
     assert tk["completion"] > 0 and tk["completion"] == tk["streamed_live"]
@@ -76,6 +77,7 @@ def test_load_cli_closed_loop_with_drops_idle_and_both_subprotocols(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     generated = _tokens_generated(served.url) - before
     assert "integrity violations" in done.stdout  # the table was printed
+    assert "finishes" in done.stdout
     rep = json.loads(out_json.read_text())
     _check_counts(rep)
     rq, dr = rep["requests"], rep["drops"]
@@ -215,6 +217,9 @@ async def test_engine_only_runs_the_same_workload_as_the_server(
     assert engine_only["requests"]["ok"] == over_ws["requests"]["ok"] == 5
     for key in ("completion", "prompt"):
         assert engine_only["tokens"][key] == over_ws["tokens"][key], key
+    # Which limit ended each length finish: the same on both paths, and always said (never "unsaid").
+    lengths = over_ws["requests"]["length_reasons"]
+    assert engine_only["requests"]["length_reasons"] == lengths and set(lengths) <= {"max_tokens", "context"}
     assert engine_only["tokens"]["per_s"] > 0 and engine_only["ttft_ms"]["n"] == 5
     assert not engine_only["wire"]["measured"]  # no wire: nothing to count
     # --profile: the median decode step at the one row a single user makes, phase by phase.
@@ -223,6 +228,28 @@ async def test_engine_only_runs_the_same_workload_as_the_server(
     ms = prof["ms"]
     assert ms["linear"] > 0 and ms["sampling"] > 0
     assert all(v <= ms["total"] for v in ms.values())  # each phase is part of its step
+
+
+async def test_a_load_whose_prompts_fill_the_context_window_says_so(tiny_model_dir: Path) -> None:
+    """The tiny model's window is 512 tokens: prompts of about 400 of them leave room for fewer tokens than
+    max_tokens asks, so every reply ends at the window, and the report says "context", not max_tokens."""
+    from server.load.cli import _load_engine
+
+    cfg = LoadConfig(
+        url="engine-only",
+        users=1,
+        requests=2,
+        turns=1,
+        temperature=0.0,
+        max_tokens=Dist("fixed", 300),
+        prompt_words=Dist("fixed", 85),  # this tokenizer's words come to about 400 tokens
+        seed=11,
+    )
+    rep = await run(cfg, progress=False, engine=_load_engine(str(tiny_model_dir), None))
+    _check_counts(rep)
+    rq = rep["requests"]
+    assert rq["finish_reasons"] == {"length": 2} and rq["length_reasons"] == {"context": 2}, rq
+    assert rep["tokens"]["prompt"] + rep["tokens"]["completion"] == 2 * 512
 
 
 @pytest.mark.parametrize(
@@ -282,6 +309,7 @@ async def test_load_api_openai_ws_runs_the_same_workload_over_the_responses_webs
     rq, tk = rep["requests"], rep["tokens"]
     assert rq["issued"] == rq["ok"] == 4 and rq["failed"] == 0, rq["failed_by_code"]
     assert sum(rq["finish_reasons"].values()) == 4 and set(rq["finish_reasons"]) <= {"stop", "length"}
+    assert set(rq["length_reasons"]) <= {"unsaid"}  # the Responses API has no length reason to say
     assert tk["completion"] == tk["streamed_live"] > 0 and tk["per_s"] > 0
     assert (tk["prompt"], tk["completion"]) == (ref["tokens"]["prompt"], ref["tokens"]["completion"])
     assert rep["ttft_ms"]["n"] == 4 and rep["itl_ms"]["n"] > 0 and rep["latency_ms"]["n"] == 4

@@ -9,7 +9,8 @@ on an AVX512-BF16 EPYC, 2026-12-07: `from transformers import LlamaForCausalLM` 
 instead: the same attribute names (``model.layers[i].self_attn.q_proj``, ``input_layernorm``,
 ``embed_tokens``, ``rotary_emb``, ``lm_head``, a ``config`` with the config.json's fields), the same
 tensors (the file's, mapped as transformers maps them), the rotary tables by transformers' own ops for the
-default RoPE. Anything else (rope scaling, biases, several weight files, another architecture) loads through
+default RoPE, from one ``model.safetensors`` or the shards its ``model.safetensors.index.json`` names (as a
+larger checkpoint comes). Anything else (rope scaling, biases, another architecture) loads through
 transformers as before (``lite_reason`` says why), as do the bench and the tests that compare with
 transformers' forward, which this tree does not have.
 """
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from server.engine import llama
 
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's: tensor name -> shard file
 
 
 def _config(path: Path) -> dict[str, Any]:
@@ -49,6 +51,30 @@ def rope_theta(cfg: dict[str, Any]) -> float | None:
     return float(cfg.get("rope_theta", 10000.0))
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files that hold the folder's weights: the shards its index names (each once, in
+    order), else the single file. Raises ValueError, saying why, when neither is there whole: an index
+    that is not a weight map, or names a shard outside the folder or missing from it."""
+    index = path / WEIGHTS_INDEX
+    if not index.is_file():
+        if not (path / WEIGHTS_FILE).is_file():
+            raise ValueError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX}")
+        return [path / WEIGHTS_FILE]
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{WEIGHTS_INDEX} unreadable: {exc}") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{WEIGHTS_INDEX} has no weight_map")
+    files: list[Path] = []
+    for name in dict.fromkeys(weight_map.values()):
+        # A shard is a file name beside the index (transformers writes model-0000i-of-0000n.safetensors).
+        if not isinstance(name, str) or Path(name).name != name or not (path / name).is_file():
+            raise ValueError(f"{WEIGHTS_INDEX} names a shard that is not a file in the folder: {name!r}")
+        files.append(path / name)
+    return files
+
+
 def lite_reason(path: Path) -> str | None:
     """Why the folder is not loaded as the lite tree (None when it is)."""
     try:
@@ -61,8 +87,10 @@ def lite_reason(path: Path) -> str | None:
         return "RoPE other than the default"
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or cfg.get("attention_bias"):
         return "activation or biases differ from Llama's"
-    if not (path / WEIGHTS_FILE).is_file():
-        return f"no single {WEIGHTS_FILE}"
+    try:
+        weight_files(path)
+    except ValueError as exc:
+        return str(exc)
     if not (path / "tokenizer.json").is_file():
         return "no tokenizer.json"
     return None
@@ -156,7 +184,9 @@ def load(path: Path, dtype: torch.dtype) -> LiteLlama:
     assert theta is not None  # lite_reason checked it
     model.model.rotary_emb = _Rotary(model.head_dim, theta)
     state = {
-        k: v if v.dtype == dtype else v.to(dtype) for k, v in load_file(str(path / WEIGHTS_FILE)).items()
+        k: v if v.dtype == dtype else v.to(dtype)
+        for f in weight_files(path)
+        for k, v in load_file(str(f)).items()
     }
     tied = bool(cfg.get("tie_word_embeddings", True)) and "lm_head.weight" not in state
     if tied:

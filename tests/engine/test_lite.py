@@ -120,3 +120,49 @@ def test_the_default_rope_is_read_from_either_config_layout() -> None:
     assert lite.rope_theta({}) == 10000.0  # Llama's default base
     assert lite.rope_theta({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}) is None
     assert lite.rope_theta({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}) is None
+
+
+def _linked_copy(src: Path, dst: Path, *, leave_out: str) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != leave_out:
+            (dst / f.name).symlink_to(f)
+    return dst
+
+
+def test_a_sharded_checkpoint_loads_lite_from_its_index(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A larger checkpoint comes as shards and a model.safetensors.index.json (the tensor -> file map
+    transformers writes): the lite load reads every shard it names, to the same weights as the single
+    file; an index that names a shard outside the folder, or one that is not there, is said and falls
+    back to transformers."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tiny_model_dir / lite.WEIGHTS_FILE))
+    sharded = _linked_copy(tiny_model_dir, tmp_path / "sharded", leave_out=lite.WEIGHTS_FILE)
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, part in halves.items():
+        save_file({k: state[k] for k in part}, str(sharded / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (sharded / lite.WEIGHTS_INDEX).write_text(json.dumps(index))
+    assert lite.lite_reason(sharded) is None
+    assert [f.name for f in lite.weight_files(sharded)] == sorted(halves)
+    one = load_model(tiny_model_dir, dtype="float32", lite=True)
+    two = load_model(sharded, dtype="float32", lite=True)
+    assert isinstance(two.model, lite.LiteLlama)
+    _same_weights(llama.weights_of(two.model, 64, pack=False), llama.weights_of(one.model, 64, pack=False))
+
+    for bad, why in [
+        ("../model.safetensors", "names a shard that is not a file in the folder"),
+        ("model-00003-of-00002.safetensors", "names a shard that is not a file in the folder"),
+        (None, "has no weight_map"),
+    ]:
+        broken = dict(index, weight_map=dict(weight_map, **{names[0]: bad}) if bad else {})
+        (sharded / lite.WEIGHTS_INDEX).write_text(json.dumps(broken))
+        assert why in (lite.lite_reason(sharded) or ""), bad
+    (sharded / lite.WEIGHTS_INDEX).write_text("[1, 2]")  # JSON, but not an object
+    assert "unreadable" in (lite.lite_reason(sharded) or "")
+    (sharded / lite.WEIGHTS_INDEX).unlink()
+    assert lite.lite_reason(sharded) == "no model.safetensors or model.safetensors.index.json"

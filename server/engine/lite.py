@@ -26,9 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from server.engine import llama
-
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's: tensor name -> shard file
+from server.engine.mapped import WEIGHTS_FILE, WEIGHTS_INDEX
 
 
 def _config(path: Path) -> dict[str, Any]:

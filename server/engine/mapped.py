@@ -30,13 +30,19 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
+# A checkpoint folder's weights: one file, or shards and an index (tensor name -> shard file), as
+# transformers writes them; lite.py reads the same names.
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
 def _file_of(folder: Path, name: str) -> Path | None:
     """The safetensors file of ``folder`` that holds tensor ``name`` (single file or sharded)."""
-    index = folder / "model.safetensors.index.json"
+    index = folder / WEIGHTS_INDEX
     if index.is_file():
         shard = json.loads(index.read_text()).get("weight_map", {}).get(name)
         return folder / shard if isinstance(shard, str) else None
-    single = folder / "model.safetensors"
+    single = folder / WEIGHTS_FILE
     return single if single.is_file() else None
 
 

@@ -143,6 +143,10 @@ def unit_costs(
     cluster = _get(sections, "cluster", "results") or {}
     loss = _get(sections, "gateway-loss", "results", "gateway_loss") or {}
     src_idle = "idle: `tokenwire load --idle-only --idle 5000 --server-pid` on `tokenwire serve`"
+    # An idle connection's CPU is mostly its pings: say how often the run's connections pinged.
+    ping_s = _get(sections, "idle", "results", "idle", "config", "ping_interval_s")
+    pinging = f", each pinging every {ping_s:g} s" if isinstance(ping_s, int | float) else ""
+    src_idle_cpu = src_idle + pinging
     src_store = (
         "store: `tokenwire load --scenario store-cost --redis-url R --server-pid GW` on "
         f"`tokenwire cluster --gateways 1 --workers 1{cluster_args}`{rate}"
@@ -155,7 +159,7 @@ def unit_costs(
     two = _best(cluster, 2)
     u = [
         Unit("gateway memory per connection", idle.get("server_kib_per_connection"), "KiB", src_idle),
-        Unit("gateway CPU per idle connection", idle.get("server_us_per_connection_s"), "µs/s", src_idle),
+        Unit("gateway CPU per idle connection", idle.get("server_us_per_connection_s"), "µs/s", src_idle_cpu),
         Unit("gateway CPU per streamed token", st.get("server_pid_us_per_token"), "µs", src_store),
         # Per token net of the idle server's loops where measured: those are counted per process below
         # ("Redis CPU of an idle process"), so the gross figure would count them twice.
@@ -204,7 +208,7 @@ def unit_costs(
             "gateway-loss: the same run",
         ),
     ]
-    sec_of = {src_idle: "idle", src_store: "store"}
+    sec_of = {src_idle: "idle", src_idle_cpu: "idle", src_store: "store"}
     for x in u:
         name = sec_of.get(x.source) or x.source.split(":", 1)[0]
         x.measured = when(name)
@@ -510,6 +514,10 @@ def render(
         "* Every cost is linear in the load: measured at up to 5,000 idle connections and a few hundred",
         "  tokens/s on 2 cores, applied to a million connections and 100,000 tokens/s.",
         "* Gateway memory is the process's RSS per connection; the kernel's socket buffers are not in it.",
+        "* Gateway CPU per idle connection is mostly its pings: the load tool's connections ping as often as",
+        "  its unit cost says (`--ping-interval`, 5 s by default), and the server pings each every 20 s (its",
+        "  default). The JS client pings every 15 s while nothing is pending (`heartbeat.idleIntervalMs`),",
+        "  so idle JS clients cost less than counted here, and clients that ping more often cost more.",
         "* Redis CPU per token is from one Valkey whose clients were a 1 + 1 cluster; a shard serving many",
         "  gateways pays the same per command, but more connections each.",
         "* The worker count is tokens/s over one worker's rate: a GPU worker's rate is a parameter.",

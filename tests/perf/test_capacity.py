@@ -86,6 +86,23 @@ def test_cli_writes_the_document_with_sources(tmp_path: Path, capsys) -> None:  
     assert main(["--bench-dir", str(tmp_path / "none")]) == 2
 
 
+def test_the_cpu_of_an_idle_connection_says_how_often_it_pinged(tmp_path: Path) -> None:
+    """An idle connection's CPU is mostly its pings, so the unit cost names the run's ping interval (the
+    idle report's config) and keeps its section's date; an older report without it says nothing of it."""
+    from server.load.capacity import load_sections
+
+    bench = _sections(tmp_path)
+    cpu = unit_costs(load_sections(bench))["gateway CPU per idle connection"]
+    assert "pinging" not in cpu.source and cpu.measured == "2026-12-03 12:00 UTC"
+    idle = json.loads((bench / "section-idle.json").read_text())
+    idle["results"]["idle"]["config"] = {"ping_interval_s": 7.5}
+    (bench / "section-idle.json").write_text(json.dumps(idle))
+    units = unit_costs(load_sections(bench))
+    cpu = units["gateway CPU per idle connection"]
+    assert cpu.source.endswith(", each pinging every 7.5 s") and cpu.measured == "2026-12-03 12:00 UTC"
+    assert "pinging" not in units["gateway memory per connection"].source
+
+
 def test_the_store_per_token_is_taken_net_of_the_idle_loops(tmp_path: Path) -> None:
     """The idle process's Redis CPU is counted per process; a per-token figure that still holds it would
     count it twice, so the model takes the store-cost run's net figures where they exist."""

@@ -45,6 +45,7 @@ class Unit:
     unit: str
     source: str  # section, file and the command that produced it
     measured: str = ""  # when (the section's timestamp)
+    ping_s: float | None = None  # an idle connection's cost: how often each connection pinged in the run
 
 
 @dataclass(slots=True)
@@ -54,6 +55,9 @@ class Load:
     tokens_per_s: float = 100_000.0
     sessions: int | None = None  # sessions kept in Redis (within --session-ttl); default: users
     resumes_per_s: float | None = None  # whole-reply resumes; default streaming / 60 (a flaky network)
+    # How often each connected client pings; default the JS client's period while nothing is pending
+    # (client_js/src/client.js, heartbeat.idleIntervalMs). An idle connection's gateway CPU is mostly pings.
+    ping_interval_s: float = 15.0
 
 
 @dataclass(slots=True)
@@ -147,6 +151,8 @@ def unit_costs(
     ping_s = _get(sections, "idle", "results", "idle", "config", "ping_interval_s")
     pinging = f", each pinging every {ping_s:g} s" if isinstance(ping_s, int | float) else ""
     src_idle_cpu = src_idle + pinging
+    slow_s = _get(sections, "idle", "results", "idle_slow", "config", "ping_interval_s")
+    src_slow = src_idle + (f", each pinging every {slow_s:g} s" if isinstance(slow_s, int | float) else "")
     src_store = (
         "store: `tokenwire load --scenario store-cost --redis-url R --server-pid GW` on "
         f"`tokenwire cluster --gateways 1 --workers 1{cluster_args}`{rate}"
@@ -159,7 +165,20 @@ def unit_costs(
     two = _best(cluster, 2)
     u = [
         Unit("gateway memory per connection", idle.get("server_kib_per_connection"), "KiB", src_idle),
-        Unit("gateway CPU per idle connection", idle.get("server_us_per_connection_s"), "µs/s", src_idle_cpu),
+        Unit(
+            "gateway CPU per idle connection",
+            idle.get("server_us_per_connection_s"),
+            "µs/s",
+            src_idle_cpu,
+            ping_s=_positive(ping_s),
+        ),
+        Unit(
+            "gateway CPU per idle connection, pinging less",
+            _get(sections, "idle", "results", "idle_slow", "idle", "server_us_per_connection_s"),
+            "µs/s",
+            src_slow,
+            ping_s=_positive(slow_s),
+        ),
         Unit("gateway CPU per streamed token", st.get("server_pid_us_per_token"), "µs", src_store),
         # Per token net of the idle server's loops where measured: those are counted per process below
         # ("Redis CPU of an idle process"), so the gross figure would count them twice.
@@ -208,11 +227,34 @@ def unit_costs(
             "gateway-loss: the same run",
         ),
     ]
-    sec_of = {src_idle: "idle", src_idle_cpu: "idle", src_store: "store"}
+    sec_of = {src_idle: "idle", src_idle_cpu: "idle", src_slow: "idle", src_store: "store"}
     for x in u:
         name = sec_of.get(x.source) or x.source.split(":", 1)[0]
         x.measured = when(name)
     return {x.name: x for x in u}
+
+
+def _positive(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and x > 0 else None
+
+
+def idle_cpu_at(ping_s: float, units: dict[str, Unit]) -> float | None:
+    """An idle connection's gateway CPU (µs/s) when each connection pings every ``ping_s``: read off the
+    straight line, in pings a second, through the idle section's two runs (exact at their periods, an
+    extrapolation beyond them); the one run's figure where only one was measured, and the larger of the
+    two where noise tilts the line the wrong way (fewer pings costing more)."""
+    a, b = (
+        units.get("gateway CPU per idle connection"),
+        units.get("gateway CPU per idle connection, pinging less"),
+    )
+    if a is None or a.value is None:
+        return None
+    if b is None or b.value is None or a.ping_s is None or b.ping_s is None or a.ping_s == b.ping_s:
+        return a.value
+    slope = (a.value - b.value) / (1 / a.ping_s - 1 / b.ping_s)  # µs per ping
+    if slope <= 0:
+        return max(a.value, b.value)
+    return max(0.0, b.value + slope * (1 / ping_s - 1 / b.ping_s))
 
 
 def _net(st: dict[str, Any], key: str) -> Any:
@@ -270,7 +312,8 @@ def plan(load: Load, budget: Budget, units: dict[str, Unit]) -> tuple[list[Plan]
     """The deployment for ``load``; and what could not be sized (a unit cost not measured)."""
 
     def v(name: str) -> float | None:
-        return units[name].value
+        u = units.get(name)
+        return None if u is None else u.value
 
     missing: list[str] = []
     plans: list[Plan] = []
@@ -282,6 +325,7 @@ def plan(load: Load, budget: Budget, units: dict[str, Unit]) -> tuple[list[Plan]
         v("gateway CPU per idle connection"),
         v("gateway CPU per streamed token"),
     )
+    cpu_idle = idle_cpu_at(load.ping_interval_s, units)  # at the load's ping period, not the run's
     limits: dict[str, float] = {
         "connections": load.users / budget.gateway_max_connections,
     }
@@ -432,6 +476,16 @@ def _deployment(load: Load, budget: Budget, units: dict[str, Unit]) -> list[str]
     return lines
 
 
+def _pings(load: Load, units: dict[str, Unit]) -> str:
+    """How the load's idle connections are costed (idle_cpu_at)."""
+    at = [
+        u.ping_s for u in units.values() if u.name.startswith("gateway CPU per idle") and u.value is not None
+    ]
+    runs = " and ".join(f"{x:g} s" for x in at if x is not None)
+    how = f"measured pinging every {runs}" if runs else "not measured"
+    return f"each client pings every {load.ping_interval_s:g} s (an idle connection's CPU {how})."
+
+
 def _val(x: Unit) -> str:
     return "not measured" if x.value is None else f"{x.value:,.3g} {x.unit}".strip()
 
@@ -463,7 +517,8 @@ def render(
         "",
         f"{load.users:,} connected users, {load.streaming:,} of them streaming, {load.tokens_per_s:,.0f} "
         f"tokens/s; {(load.sessions or load.users):,} sessions kept; "
-        f"{(load.resumes_per_s if load.resumes_per_s is not None else load.streaming / 60):,.0f} resumes/s.",
+        f"{(load.resumes_per_s if load.resumes_per_s is not None else load.streaming / 60):,.0f} resumes/s; "
+        + _pings(load, units),
         "",
         "## Deployment",
         "",
@@ -514,10 +569,11 @@ def render(
         "* Every cost is linear in the load: measured at up to 5,000 idle connections and a few hundred",
         "  tokens/s on 2 cores, applied to a million connections and 100,000 tokens/s.",
         "* Gateway memory is the process's RSS per connection; the kernel's socket buffers are not in it.",
-        "* Gateway CPU per idle connection is mostly its pings: the load tool's connections ping as often as",
-        "  its unit cost says (`--ping-interval`, 5 s by default), and the server pings each every 20 s (its",
-        "  default). The JS client pings every 15 s while nothing is pending (`heartbeat.idleIntervalMs`),",
-        "  so idle JS clients cost less than counted here, and clients that ping more often cost more.",
+        "* An idle connection's gateway CPU depends on how often its client pings. The idle section measures",
+        "  it with every connection pinging every 5 s, then every 15 s (the server pings each every 20 s in",
+        "  both); the model reads the load's period (`--ping-interval`, by default 15 s: the JS client's",
+        "  while nothing is pending, `heartbeat.idleIntervalMs`) off the straight line through the two, in",
+        "  pings a second: exact at those periods, an extrapolation beyond them.",
         "* Redis CPU per token is from one Valkey whose clients were a 1 + 1 cluster; a shard serving many",
         "  gateways pays the same per command, but more connections each.",
         "* The worker count is tokens/s over one worker's rate: a GPU worker's rate is a parameter.",
@@ -538,6 +594,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streaming", type=int, default=dl.streaming, help="of them streaming (default 50,000)")
     p.add_argument("--tokens-per-s", type=float, default=dl.tokens_per_s, help="tokens/s (default 100,000)")
     p.add_argument("--sessions", type=int, default=None, help="sessions kept in Redis (default: --users)")
+    p.add_argument(
+        "--ping-interval",
+        type=float,
+        default=dl.ping_interval_s,
+        help="seconds between a connected client's pings (default 15: the JS client's while idle)",
+    )
     p.add_argument(
         "--resumes-per-s", type=float, default=None, help="whole-reply resumes/s (default streaming/60)"
     )
@@ -585,12 +647,15 @@ def main(argv: list[str] | None = None) -> int:
         "worker_streams",
         "gateway_cores",
         "gateway_memory_gib",
+        "ping_interval",
     ):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if not 0 < args.utilization <= 1 or not 0 < args.redis_cpu <= 1:
         p.error("--utilization and --redis-cpu must be in (0, 1]")
-    load = Load(args.users, args.streaming, args.tokens_per_s, args.sessions, args.resumes_per_s)
+    load = Load(
+        args.users, args.streaming, args.tokens_per_s, args.sessions, args.resumes_per_s, args.ping_interval
+    )
     budget = Budget(
         args.gateway_cores,
         args.gateway_memory_gib,

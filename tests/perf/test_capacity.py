@@ -103,6 +103,71 @@ def test_the_cpu_of_an_idle_connection_says_how_often_it_pinged(tmp_path: Path) 
     assert "pinging" not in units["gateway memory per connection"].source
 
 
+def _with_slower_idle_run(bench: Path, fast: float, slow: float, fast_us: float, slow_us: float) -> None:
+    idle = json.loads((bench / "section-idle.json").read_text())
+    idle["results"]["idle"]["config"] = {"ping_interval_s": fast}
+    idle["results"]["idle"]["idle"]["server_us_per_connection_s"] = fast_us
+    idle["results"]["idle_slow"] = {
+        "config": {"ping_interval_s": slow},
+        "idle": {"server_us_per_connection_s": slow_us},
+    }
+    (bench / "section-idle.json").write_text(json.dumps(idle))
+
+
+def test_an_idle_connection_is_costed_at_the_loads_ping_period(tmp_path: Path) -> None:
+    """The idle section's two runs (pinging every 5 s and every 15 s) give a line in pings a second: the
+    model reads the load's period off it, exactly at the runs' periods, and sizes the gateways' CPU so."""
+    from server.load.capacity import idle_cpu_at, load_sections
+
+    bench = _sections(tmp_path)
+    _with_slower_idle_run(bench, 5.0, 15.0, 30.0, 20.0)
+    units = unit_costs(load_sections(bench))
+    assert units["gateway CPU per idle connection, pinging less"].source.endswith("each pinging every 15 s")
+    assert units["gateway CPU per idle connection, pinging less"].measured == "2026-12-03 12:00 UTC"
+    # 10 µs/s over 2/15 pings a second between the runs: 75 µs a ping.
+    assert idle_cpu_at(5.0, units) == 30.0 and idle_cpu_at(15.0, units) == 20.0
+    assert abs(idle_cpu_at(7.5, units) - 25.0) < 1e-9  # 2/15 pings a second: halfway
+    assert abs(idle_cpu_at(2.5, units) - 45.0) < 1e-9  # beyond the runs: the same line
+    assert abs(idle_cpu_at(1e9, units) - 15.0) < 1e-6  # no pings at all: where the line meets the axis
+
+    def gateway_cpu(ping_s: float) -> float:
+        plans, _ = plan(Load(users=1_000_000, tokens_per_s=0.0, ping_interval_s=ping_s), Budget(), units)
+        return next(p for p in plans if p.component == "gateways").limits["cpu"]
+
+    # 1e6 connections x 20 µs/s = 20 cores over 4 cores x 0.6; at 5 s, 30 cores.
+    assert abs(gateway_cpu(15.0) - 20 / 2.4) < 1e-9 and abs(gateway_cpu(5.0) - 30 / 2.4) < 1e-9
+
+
+def test_an_idle_cost_the_noise_tilted_is_taken_at_the_larger_run(tmp_path: Path) -> None:
+    """Fewer pings measured as costing more (noise larger than the difference) gives no line: the larger
+    figure serves every period; with one run only, its figure does."""
+    from server.load.capacity import idle_cpu_at, load_sections
+
+    bench = _sections(tmp_path)
+    assert idle_cpu_at(15.0, unit_costs(load_sections(bench))) == 1.0  # the one run's figure
+    _with_slower_idle_run(bench, 5.0, 15.0, 20.0, 21.0)
+    units = unit_costs(load_sections(bench))
+    assert idle_cpu_at(15.0, units) == idle_cpu_at(60.0, units) == idle_cpu_at(1.0, units) == 21.0
+
+
+def test_benchmarks_md_shows_the_idle_cpu_at_both_ping_periods() -> None:
+    from server.load.benchmarks import _render_idle
+
+    report = {
+        "config": {"ping_interval_s": 5.0},
+        "idle": {
+            "connected": 10, "target": 10, "pings": 4, "pongs": 4, "lost": 0,
+            "rtt_ms": {"p50": 1.0, "p99": 2.0},
+            "server_kib_per_connection": 19.0, "server_us_per_connection_s": 29.3,
+        },
+    }  # fmt: skip
+    slower = {"config": {"ping_interval_s": 15.0}, "idle": {"server_us_per_connection_s": 19.87}}
+    md = "\n".join(_render_idle(report, slower))
+    assert "| server CPU per connection, each pinging every 5 s | 29.30 µs per second held |" in md
+    assert "| server CPU per connection, each pinging every 15 s | 19.87 µs per second held |" in md
+    assert "every 15 s" not in "\n".join(_render_idle(report))  # an older run: the one row
+
+
 def test_the_store_per_token_is_taken_net_of_the_idle_loops(tmp_path: Path) -> None:
     """The idle process's Redis CPU is counted per process; a per-token figure that still holds it would
     count it twice, so the model takes the store-cost run's net figures where they exist."""

@@ -430,11 +430,13 @@ def _idle(work: Path, quick: bool) -> dict[str, Any]:
             s.urls[0], work / "idle.json", "--idle-only", "--idle", str(idle_n), "--duration", "20",
             "--connect-concurrency", "200", "--server-pid", str(s.proc.pid),
         )  # fmt: skip
-        # The same connections' worth pinging three times less often, over a window long enough for each
-        # to ping a few times: what is left is what a connection costs between pings.
+        # As many connections again, pinging three times less often, over a window long enough for each to
+        # ping a few times (--quick: about once): the capacity model reads other ping periods off the line
+        # through the two runs (capacity.idle_cpu_at).
         slow = _load(
             s.urls[0], work / "idle-slow.json", "--idle-only", "--idle", str(idle_n),
-            "--duration", str(3 * IDLE_SLOW_PING_S), "--ping-interval", f"{IDLE_SLOW_PING_S:g}",
+            "--duration", "20" if quick else f"{3 * IDLE_SLOW_PING_S:g}",
+            "--ping-interval", f"{IDLE_SLOW_PING_S:g}",
             "--connect-concurrency", "200", "--server-pid", str(s.proc.pid),
         )  # fmt: skip
         return {"idle": idle, "idle_slow": slow}

@@ -417,8 +417,8 @@ def _flood_run(work: Path, quick: bool) -> dict[str, Any]:
 
 
 # The JS client's ping period while nothing is pending (client_js/src/client.js, heartbeat.idleIntervalMs):
-# the idle section measures the server's CPU per connection at the load tool's 5 s and at this, so that
-# the capacity model can split it into a cost per ping and a cost between pings.
+# the idle section measures the server's CPU per connection at the load tool's 5 s and at this, and the
+# capacity model reads other periods off the line through the two (capacity.idle_cpu_at).
 IDLE_SLOW_PING_S = 15.0
 
 

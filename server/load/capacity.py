@@ -55,8 +55,8 @@ class Load:
     tokens_per_s: float = 100_000.0
     sessions: int | None = None  # sessions kept in Redis (within --session-ttl); default: users
     resumes_per_s: float | None = None  # whole-reply resumes; default streaming / 60 (a flaky network)
-    # How often each connected client pings; default the JS client's period while nothing is pending
-    # (client_js/src/client.js, heartbeat.idleIntervalMs). An idle connection's gateway CPU is mostly pings.
+    # How often each connected client pings (an idle connection's gateway CPU depends on it); default the
+    # JS client's period while nothing is pending (client_js/src/client.js, heartbeat.idleIntervalMs).
     ping_interval_s: float = 15.0
 
 
@@ -147,7 +147,7 @@ def unit_costs(
     cluster = _get(sections, "cluster", "results") or {}
     loss = _get(sections, "gateway-loss", "results", "gateway_loss") or {}
     src_idle = "idle: `tokenwire load --idle-only --idle 5000 --server-pid` on `tokenwire serve`"
-    # An idle connection's CPU is mostly its pings: say how often the run's connections pinged.
+    # An idle connection's CPU depends on how often it pings: say how often each run's connections did.
     ping_s = _get(sections, "idle", "results", "idle", "config", "ping_interval_s")
     pinging = f", each pinging every {ping_s:g} s" if isinstance(ping_s, int | float) else ""
     src_idle_cpu = src_idle + pinging
@@ -320,12 +320,8 @@ def plan(load: Load, budget: Budget, units: dict[str, Unit]) -> tuple[list[Plan]
 
     # Gateways: memory and CPU of the connections and the streamed tokens; one spare, so that the loss
     # of any one leaves the others enough room for its connections (the gateway-loss herd).
-    kib, cpu_idle, cpu_tok = (
-        v("gateway memory per connection"),
-        v("gateway CPU per idle connection"),
-        v("gateway CPU per streamed token"),
-    )
-    cpu_idle = idle_cpu_at(load.ping_interval_s, units)  # at the load's ping period, not the run's
+    kib, cpu_tok = v("gateway memory per connection"), v("gateway CPU per streamed token")
+    cpu_idle = idle_cpu_at(load.ping_interval_s, units)  # at the load's ping period, not the runs'
     limits: dict[str, float] = {
         "connections": load.users / budget.gateway_max_connections,
     }
@@ -649,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         "gateway_memory_gib",
         "ping_interval",
     ):
-        if getattr(args, name) <= 0:
+        if not getattr(args, name) > 0:  # NaN too
             p.error(f"--{name.replace('_', '-')} must be positive")
     if not 0 < args.utilization <= 1 or not 0 < args.redis_cpu <= 1:
         p.error("--utilization and --redis-cpu must be in (0, 1]")
@@ -690,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
                     "first_to_run_out": first_to_run_out(plans),
                     "missing": missing,
                     "units": {
-                        k: {"value": u.value, "unit": u.unit, "source": u.source} for k, u in units.items()
+                        k: {"value": u.value, "unit": u.unit, "source": u.source, "ping_s": u.ping_s}
+                        for k, u in units.items()
                     },
                 },
                 indent=2,

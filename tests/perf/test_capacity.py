@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from server.load.capacity import Budget, Load, main, plan, unit_costs
 
 
@@ -136,6 +138,10 @@ def test_an_idle_connection_is_costed_at_the_loads_ping_period(tmp_path: Path) -
 
     # 1e6 connections x 20 µs/s = 20 cores over 4 cores x 0.6; at 5 s, 30 cores.
     assert abs(gateway_cpu(15.0) - 20 / 2.4) < 1e-9 and abs(gateway_cpu(5.0) - 30 / 2.4) < 1e-9
+    for bad in ("0", "-5", "nan"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--bench-dir", str(bench), "--ping-interval", bad])
+        assert exc.value.code == 2
 
 
 def test_an_idle_cost_the_noise_tilted_is_taken_at_the_larger_run(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from server.engine import llama
-from server.engine.mapped import WEIGHTS_FILE, WEIGHTS_INDEX
+from server.engine.mapped import WEIGHTS_FILE, WEIGHTS_INDEX, weight_map
 
 
 def _config(path: Path) -> dict[str, Any]:
@@ -51,26 +51,14 @@ def rope_theta(cfg: dict[str, Any]) -> float | None:
 
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files that hold the folder's weights: the shards its index names (each once, in
-    order), else the single file. Raises ValueError, saying why, when neither is there whole: an index
-    that is not a weight map, or names a shard outside the folder or missing from it."""
-    index = path / WEIGHTS_INDEX
-    if not index.is_file():
+    order; mapped.weight_map checks them), else the single file. Raises ValueError, saying why, when
+    neither is there whole."""
+    wm = weight_map(path)
+    if wm is None:
         if not (path / WEIGHTS_FILE).is_file():
             raise ValueError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX}")
         return [path / WEIGHTS_FILE]
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ValueError(f"{WEIGHTS_INDEX} unreadable: {exc}") from None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{WEIGHTS_INDEX} has no weight_map")
-    files: list[Path] = []
-    for name in dict.fromkeys(weight_map.values()):
-        # A shard is a file name beside the index (transformers writes model-0000i-of-0000n.safetensors).
-        if not isinstance(name, str) or Path(name).name != name or not (path / name).is_file():
-            raise ValueError(f"{WEIGHTS_INDEX} names a shard that is not a file in the folder: {name!r}")
-        files.append(path / name)
-    return files
+    return [path / name for name in dict.fromkeys(wm.values())]
 
 
 def lite_reason(path: Path) -> str | None:

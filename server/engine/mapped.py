@@ -36,12 +36,32 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
+def weight_map(folder: Path) -> dict[str, str] | None:
+    """A sharded folder's index: tensor name -> shard file, every shard a file beside the index; None when
+    the folder has no index. Raises ValueError, saying why, for an index that is not a weight map or that
+    names a shard outside the folder or missing from it."""
+    index = folder / WEIGHTS_INDEX
+    if not index.is_file():
+        return None
+    try:
+        wm = json.loads(index.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{WEIGHTS_INDEX} unreadable: {exc}") from None
+    if not isinstance(wm, dict) or not wm:
+        raise ValueError(f"{WEIGHTS_INDEX} has no weight_map")
+    for shard in set(wm.values()):
+        # A shard is a file name beside the index (transformers writes model-0000i-of-0000n.safetensors).
+        if not isinstance(shard, str) or Path(shard).name != shard or not (folder / shard).is_file():
+            raise ValueError(f"{WEIGHTS_INDEX} names a shard that is not a file in the folder: {shard!r}")
+    return wm
+
+
 def _file_of(folder: Path, name: str) -> Path | None:
     """The safetensors file of ``folder`` that holds tensor ``name`` (single file or sharded)."""
-    index = folder / WEIGHTS_INDEX
-    if index.is_file():
-        shard = json.loads(index.read_text()).get("weight_map", {}).get(name)
-        return folder / shard if isinstance(shard, str) else None
+    wm = weight_map(folder)
+    if wm is not None:
+        shard = wm.get(name)
+        return folder / shard if shard is not None else None
     single = folder / WEIGHTS_FILE
     return single if single.is_file() else None
 

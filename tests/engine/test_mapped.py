@@ -70,3 +70,15 @@ def test_no_checkpoint_or_no_such_tensor_is_not_mapped(tmp_path: Path) -> None:
     assert map_like(tmp_path, "missing", t) is None
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 16)  # not a safetensors file
     assert map_like(tmp_path, "t", t) is None
+
+
+def test_an_index_naming_a_shard_outside_the_folder_is_not_mapped(tmp_path: Path) -> None:
+    """The index is read as the lite load reads it (mapped.weight_map): a shard must be a file beside it."""
+    table = torch.randn(8, 4)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"emb": table}, str(tmp_path / "outside.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"emb": "../outside.safetensors"}})
+    )
+    assert map_like(folder, "emb", table) is None

@@ -424,6 +424,12 @@ def _flood_run(work: Path, quick: bool) -> dict[str, Any]:
 IDLE_SLOW_PING_S = 15.0
 
 
+def pinging(period: Any) -> str:
+    """ ", each pinging every 5 s": how often an idle run's connections pinged (its report's
+    config.ping_interval_s); "" where a report does not say."""
+    return f", each pinging every {period:g} s" if isinstance(period, int | float) else ""
+
+
 def _idle(work: Path, quick: bool) -> dict[str, Any]:
     idle_n = 500 if quick else 5000
     with _serve(work) as s:
@@ -1368,15 +1374,13 @@ def _render_start(st: dict[str, Any]) -> list[str]:
 def _render_idle(idle: dict[str, Any], slower: dict[str, Any] | None = None) -> list[str]:
     """The idle run's table; ``slower``: the same run with fewer pings (IDLE_SLOW_PING_S), if it ran."""
     slow = (slower or {}).get("idle") or {}
-    slow_ping = (slower or {}).get("config", {}).get("ping_interval_s")
-    fast_ping = idle.get("config", {}).get("ping_interval_s")
-    pinging = f", each pinging every {fast_ping:g} s" if isinstance(fast_ping, int | float) else ""
+    slow_ping = pinging((slower or {}).get("config", {}).get("ping_interval_s"))
     slow_row = (
         [
-            f"| server CPU per connection, each pinging every {slow_ping:g} s | "
+            f"| server CPU per connection{slow_ping} | "
             f"{_f(slow.get('server_us_per_connection_s'), 2)} µs per second held |"
         ]
-        if slow and isinstance(slow_ping, int | float)
+        if slow and slow_ping
         else []
     )
     return [
@@ -1392,8 +1396,8 @@ def _render_idle(idle: dict[str, Any], slower: dict[str, Any] | None = None) -> 
         f"{_f(idle['idle']['rtt_ms'].get('p99'), 2)} (target p99 < 100) |",
         f"| server memory per connection | {_f(idle['idle'].get('server_kib_per_connection'))} KiB "
         "(target ≤ 20 KiB) |",
-        f"| server CPU per connection{pinging} | {_f(idle['idle'].get('server_us_per_connection_s'), 2)} µs "
-        "per second held |",
+        f"| server CPU per connection{pinging(idle.get('config', {}).get('ping_interval_s'))} | "
+        f"{_f(idle['idle'].get('server_us_per_connection_s'), 2)} µs per second held |",
         *slow_row,
     ]
 

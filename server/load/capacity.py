@@ -31,9 +31,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from server.load.benchmarks import STORE_FLUSH_MS
+from server.load.benchmarks import STORE_FLUSH_MS, pinging
 
 KIB, GIB = 1024, 1 << 30
+# The idle section's two runs (benchmarks._idle): every connection pinging every 5 s, then less often.
+IDLE_CPU = "gateway CPU per idle connection"
+IDLE_CPU_SLOW = "gateway CPU per idle connection, pinging less"
 
 
 @dataclass(slots=True)
@@ -149,10 +152,8 @@ def unit_costs(
     src_idle = "idle: `tokenwire load --idle-only --idle 5000 --server-pid` on `tokenwire serve`"
     # An idle connection's CPU depends on how often it pings: say how often each run's connections did.
     ping_s = _get(sections, "idle", "results", "idle", "config", "ping_interval_s")
-    pinging = f", each pinging every {ping_s:g} s" if isinstance(ping_s, int | float) else ""
-    src_idle_cpu = src_idle + pinging
     slow_s = _get(sections, "idle", "results", "idle_slow", "config", "ping_interval_s")
-    src_slow = src_idle + (f", each pinging every {slow_s:g} s" if isinstance(slow_s, int | float) else "")
+    src_idle_cpu, src_slow = src_idle + pinging(ping_s), src_idle + pinging(slow_s)
     src_store = (
         "store: `tokenwire load --scenario store-cost --redis-url R --server-pid GW` on "
         f"`tokenwire cluster --gateways 1 --workers 1{cluster_args}`{rate}"
@@ -166,14 +167,14 @@ def unit_costs(
     u = [
         Unit("gateway memory per connection", idle.get("server_kib_per_connection"), "KiB", src_idle),
         Unit(
-            "gateway CPU per idle connection",
+            IDLE_CPU,
             idle.get("server_us_per_connection_s"),
             "µs/s",
             src_idle_cpu,
             ping_s=_positive(ping_s),
         ),
         Unit(
-            "gateway CPU per idle connection, pinging less",
+            IDLE_CPU_SLOW,
             _get(sections, "idle", "results", "idle_slow", "idle", "server_us_per_connection_s"),
             "µs/s",
             src_slow,
@@ -243,10 +244,7 @@ def idle_cpu_at(ping_s: float, units: dict[str, Unit]) -> float | None:
     straight line, in pings a second, through the idle section's two runs (exact at their periods, an
     extrapolation beyond them); the one run's figure where only one was measured, and the larger of the
     two where noise tilts the line the wrong way (fewer pings costing more)."""
-    a, b = (
-        units.get("gateway CPU per idle connection"),
-        units.get("gateway CPU per idle connection, pinging less"),
-    )
+    a, b = units.get(IDLE_CPU), units.get(IDLE_CPU_SLOW)
     if a is None or a.value is None:
         return None
     if b is None or b.value is None or a.ping_s is None or b.ping_s is None or a.ping_s == b.ping_s:
@@ -474,10 +472,11 @@ def _deployment(load: Load, budget: Budget, units: dict[str, Unit]) -> list[str]
 
 def _pings(load: Load, units: dict[str, Unit]) -> str:
     """How the load's idle connections are costed (idle_cpu_at)."""
-    at = [
-        u.ping_s for u in units.values() if u.name.startswith("gateway CPU per idle") and u.value is not None
-    ]
-    runs = " and ".join(f"{x:g} s" for x in at if x is not None)
+    runs = " and ".join(
+        f"{u.ping_s:g} s"
+        for u in (units.get(IDLE_CPU), units.get(IDLE_CPU_SLOW))
+        if u is not None and u.value is not None and u.ping_s is not None
+    )
     how = f"measured pinging every {runs}" if runs else "not measured"
     return f"each client pings every {load.ping_interval_s:g} s (an idle connection's CPU {how})."
 

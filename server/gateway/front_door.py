@@ -12,7 +12,8 @@ without its body).
 The hand-off uses websockets' documented ``create_connection`` hook: websockets calls it for each new
 TCP connection with its sans-I/O protocol and server, and the returned :class:`FrontDoor` is the asyncio
 protocol until the request line has arrived. Then it builds the real websockets ``ServerConnection``
-(or the HTTP connection), gives it the transport and the bytes read so far, and is dropped: an idle
+(a :class:`~server.gateway.keepalive.GatewayWebSocket`, whose keepalive pings only a quiet peer, or the
+HTTP connection), gives it the transport and the bytes read so far, and is dropped: an idle
 WebSocket holds exactly what it held before this layer existed.
 """
 
@@ -26,6 +27,8 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
+
+from server.gateway.keepalive import GatewayWebSocket
 
 # A request line longer than this is not HTTP we answer: h11 refuses it (its own limit is 16 KiB).
 MAX_REQUEST_LINE = 8192
@@ -167,7 +170,7 @@ def front_door_factory(
 
     def create_connection(protocol: ServerProtocol, server: Server, **kwargs: Any) -> FrontDoor:
         def make_ws() -> asyncio.Protocol:
-            conn = ServerConnection(protocol, server, **kwargs)
+            conn = GatewayWebSocket(protocol, server, **kwargs)
             if select_subprotocol is not None:
                 # A weak reference: the connection holds the protocol, and a hook holding the connection
                 # would make every closed connection a reference cycle, freed only by a full collection.

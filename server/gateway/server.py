@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from http import HTTPStatus
 from typing import cast
 
@@ -26,6 +27,7 @@ from websockets.typing import Subprotocol
 from protocol import SUBPROTOCOLS, CloseCode
 from server import metrics
 from server.aio import cancel_and_wait
+from server.gateway import keepalive
 from server.gateway.connection import Connection
 from server.gateway.core import GatewayCore
 from server.gateway.front_door import RESPONSES_PATH, front_door_factory
@@ -102,6 +104,7 @@ class Gateway:
             self.settings.max_ws_connections, self.settings.max_ws_connections_per_peer
         )
         self._collector_task: asyncio.Task[None] | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
         self.store_reachable = True  # the store answered its last ping (/readyz fails while it does not)
         self.model_name: str | None = None  # shown by the UI when this process knows it (serve)
         # A live worker (or this process) serves the default model: /readyz's body says when none does.
@@ -315,6 +318,10 @@ class Gateway:
         self.core.start()
         self._health_task = asyncio.create_task(self._health_loop(), name="gateway-store-health")
         self._collector_task = asyncio.create_task(self.collector.run(), name="gateway-churn-gc")
+        interval = self.settings.ping_interval_s
+        self._keepalive_task = asyncio.create_task(
+            keepalive.sweep(self._websockets, interval, interval), name="gateway-keepalive"
+        )
         sock = next(iter(self._server.sockets))
         port: int = sock.getsockname()[1]
         log.info("gateway.listening", url=f"ws://{self.settings.host}:{port}{WS_PATH}")
@@ -337,8 +344,9 @@ class Gateway:
             # Frames read ahead of the handler: at most 2 MiB per connection of 1 MiB frames. The
             # handler paces reading (ingress.py); more read-ahead would only hold more memory.
             max_queue=2,
-            ping_interval=self.settings.ping_interval_s,
-            ping_timeout=self.settings.ping_interval_s,
+            # Not websockets' keepalive (a task and a Ping per connection every interval): one sweep pings
+            # only the connections quiet for the interval (keepalive.py, started with the server).
+            ping_interval=None,
             compression=None,  # per-message deflate costs CPU and memory per socket for ~20-byte frames
             # Every connection's first request line picks websockets or the HTTP API (front_door.py).
             create_connection=front_door_factory(
@@ -349,6 +357,12 @@ class Gateway:
             ),  # type: ignore[arg-type]
             open_timeout=open_timeout_s,
         )
+
+    def _websockets(self) -> Iterator[keepalive.GatewayWebSocket]:
+        """Every open WebSocket of either door (front_door.py makes each a GatewayWebSocket)."""
+        for ws in itertools.chain((c.ws for c in self.connections), (s.ws for s in self.response_sockets)):
+            if isinstance(ws, keepalive.GatewayWebSocket):
+                yield ws
 
     async def stop(self) -> None:
         """Stop accepting, then close open connections with 1012 so clients reconnect and resume."""
@@ -362,7 +376,7 @@ class Gateway:
                 return_exceptions=True,
             )
             await self._server.wait_closed()
-        await cancel_and_wait([self._health_task, self._collector_task])
+        await cancel_and_wait([self._health_task, self._collector_task, self._keepalive_task])
         await self.core.stop()
         if self.metrics_server is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.metrics_server.stop)

@@ -31,12 +31,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from server.gateway.settings import GatewaySettings
 from server.load.benchmarks import STORE_FLUSH_MS, pinging
 
 KIB, GIB = 1024, 1 << 30
 # The idle section's two runs (benchmarks._idle): every connection pinging every 5 s, then less often.
 IDLE_CPU = "gateway CPU per idle connection"
 IDLE_CPU_SLOW = "gateway CPU per idle connection, pinging less"
+# A connection quiet this long gets the server's WebSocket Ping (server/gateway/keepalive.py), so no
+# connection is ever quieter: a client pinging less often than this still costs a ping in this period.
+SERVER_PING_S = GatewaySettings().ping_interval_s
 
 
 @dataclass(slots=True)
@@ -243,7 +247,10 @@ def idle_cpu_at(ping_s: float, units: dict[str, Unit]) -> float | None:
     """An idle connection's gateway CPU (µs/s) when each connection pings every ``ping_s``: read off the
     straight line, in pings a second, through the idle section's two runs (exact at their periods, an
     extrapolation beyond them); the one run's figure where only one was measured, and the larger of the
-    two where noise tilts the line the wrong way (fewer pings costing more)."""
+    two where noise tilts the line the wrong way (fewer pings costing more). A period longer than the
+    server's ping interval is costed at that interval: the server pings a connection quiet that long, and
+    its control frame costs less than a client's ``ping`` (the safe side)."""
+    ping_s = min(ping_s, SERVER_PING_S)
     a, b = units.get(IDLE_CPU), units.get(IDLE_CPU_SLOW)
     if a is None or a.value is None:
         return None
@@ -565,10 +572,12 @@ def render(
         "  tokens/s on 2 cores, applied to a million connections and 100,000 tokens/s.",
         "* Gateway memory is the process's RSS per connection; the kernel's socket buffers are not in it.",
         "* An idle connection's gateway CPU depends on how often its client pings. The idle section measures",
-        "  it with every connection pinging every 5 s, then every 15 s (the server pings each every 20 s in",
-        "  both); the model reads the load's period (`--ping-interval`, by default 15 s: the JS client's",
-        "  while nothing is pending, `heartbeat.idleIntervalMs`) off the straight line through the two, in",
-        "  pings a second: exact at those periods, an extrapolation beyond them.",
+        "  it with every connection pinging every 5 s, then every 15 s (the server pings only a connection",
+        f"  quiet for {SERVER_PING_S:g} s, so neither run has its pings); the model reads the load's period",
+        "  (`--ping-interval`, by default 15 s: the JS client's while nothing is pending,",
+        "  `heartbeat.idleIntervalMs`) off the straight line through the two, in pings a second: exact at",
+        "  those periods, an extrapolation beyond them; a longer period than the server's is costed at",
+        "  the server's, since it pings a connection that quiet.",
         "* Redis CPU per token is from one Valkey whose clients were a 1 + 1 cluster; a shard serving many",
         "  gateways pays the same per command, but more connections each.",
         "* The worker count is tokens/s over one worker's rate: a GPU worker's rate is a parameter.",

@@ -62,6 +62,8 @@ LAYERS: dict[str, int] = {
     "streams": 2,
     "submit": 2,
     "core": 3,
+    # every WebSocket's connection class and its keepalive sweep
+    "keepalive": 0,
     # what the HTTP doors share (framing, errors, the endpoints' handle on the core)
     "front_door": 4,
     "http_conn": 4,

@@ -130,7 +130,9 @@ def test_an_idle_connection_is_costed_at_the_loads_ping_period(tmp_path: Path) -
     assert idle_cpu_at(5.0, units) == 30.0 and idle_cpu_at(15.0, units) == 20.0
     assert abs(idle_cpu_at(7.5, units) - 25.0) < 1e-9  # 2/15 pings a second: halfway
     assert abs(idle_cpu_at(2.5, units) - 45.0) < 1e-9  # beyond the runs: the same line
-    assert abs(idle_cpu_at(1e9, units) - 15.0) < 1e-6  # no pings at all: where the line meets the axis
+    # Quieter than the server's ping interval (20 s): the server pings it, so it costs a ping every 20 s.
+    assert abs(idle_cpu_at(20.0, units) - 18.75) < 1e-9
+    assert idle_cpu_at(60.0, units) == idle_cpu_at(1e9, units) == idle_cpu_at(20.0, units)
 
     def gateway_cpu(ping_s: float) -> float:
         plans, _ = plan(Load(users=1_000_000, tokens_per_s=0.0, ping_interval_s=ping_s), Budget(), units)

@@ -1,0 +1,116 @@
+"""The server's WebSocket keepalive (SPEC §13, server/gateway/keepalive.py): a client that talks is never
+pinged; one quiet for the ping interval is, and is closed with 1011 when it does not answer.
+
+The client here is a raw socket, so that it answers a Ping control frame only when the test says so
+(websockets' client, like a browser, always does)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import struct
+import time
+
+import msgpack
+import redis.asyncio as aioredis
+
+from server.gateway.server import GatewaySettings
+from server.store.keys import Keys
+from tests.gateway.conftest import running_server
+
+PING, PONG, CLOSE, BINARY = 0x9, 0xA, 0x8, 0x2
+INTERVAL_S = 1.5  # long against any stall of the test's event loop, which also runs the gateway
+
+
+class RawClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def connect(cls, port: int, path: str = "/v1/ws") -> RawClient:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        key = base64.b64encode(os.urandom(16)).decode()
+        subprotocol = "Sec-WebSocket-Protocol: tokenwire.v1.msgpack\r\n" if path == "/v1/ws" else ""
+        writer.write(
+            (
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                f"{subprotocol}\r\n"
+            ).encode()
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 101"), head
+        return cls(reader, writer)
+
+    def send(self, opcode: int, payload: bytes) -> None:
+        assert len(payload) < 126
+        mask = os.urandom(4)
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        self.writer.write(bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + masked)
+
+    def send_frame(self, frame: dict[str, object]) -> None:
+        self.send(BINARY, msgpack.packb(frame))
+
+    async def recv(self) -> tuple[int, bytes]:
+        b0, b1 = await self.reader.readexactly(2)
+        n = b1 & 0x7F
+        if n == 126:
+            (n,) = struct.unpack("!H", await self.reader.readexactly(2))
+        elif n == 127:
+            (n,) = struct.unpack("!Q", await self.reader.readexactly(8))
+        return b0 & 0x0F, await self.reader.readexactly(n)
+
+
+async def test_a_talking_client_is_not_pinged_a_quiet_one_is_and_is_closed_if_it_does_not_answer(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    gw = GatewaySettings(port=0, ping_interval_s=INTERVAL_S)
+    async with running_server(redis, redis_url, keys, gateway=gw) as s:
+        c = await RawClient.connect(s.port)
+        c.send_frame({"type": "hello", "v": 1})
+        opcode, data = await c.recv()
+        assert opcode == BINARY and msgpack.unpackb(data)["type"] == "welcome"
+
+        # Talking (an application ping every 0.1 s) for twice the interval: only pongs come back, no Ping
+        # control frame, though this client would never answer one (websockets' own keepalive pinged
+        # it after one interval and closed it after two).
+        talk_until = time.monotonic() + 2 * INTERVAL_S
+        n = 0
+        while time.monotonic() < talk_until:
+            n += 1
+            c.send_frame({"type": "ping", "ts": n})
+            opcode, data = await asyncio.wait_for(c.recv(), 5)
+            assert (opcode, msgpack.unpackb(data)) == (BINARY, {"type": "pong", "ts": n})
+            await asyncio.sleep(0.1)
+        last_sent = time.monotonic()
+
+        # Quiet: a Ping comes once the interval has passed since it last sent anything; answered, the
+        # connection lives on.
+        opcode, data = await asyncio.wait_for(c.recv(), 10 * INTERVAL_S)
+        assert opcode == PING
+        assert time.monotonic() - last_sent >= 0.9 * INTERVAL_S
+        c.send(PONG, data)
+        answered = time.monotonic()
+
+        # Quiet again and not answering: pinged once more, then closed with 1011 after the timeout.
+        opcode, data = await asyncio.wait_for(c.recv(), 10 * INTERVAL_S)
+        assert opcode == PING
+        assert time.monotonic() - answered >= 0.9 * INTERVAL_S
+        opcode, data = await asyncio.wait_for(c.recv(), 10 * INTERVAL_S)
+        assert opcode == CLOSE
+        assert struct.unpack("!H", data[:2])[0] == 1011 and data[2:] == b"keepalive ping timeout"
+        c.writer.close()
+
+
+async def test_the_responses_websocket_is_pinged_when_quiet_too(
+    redis: aioredis.Redis, redis_url: str, keys: Keys
+) -> None:
+    gw = GatewaySettings(port=0, ping_interval_s=INTERVAL_S)
+    async with running_server(redis, redis_url, keys, gateway=gw) as s:
+        c = await RawClient.connect(s.port, "/v1/responses")
+        opened = time.monotonic()
+        opcode, data = await asyncio.wait_for(c.recv(), 10 * INTERVAL_S)
+        assert opcode == PING and time.monotonic() - opened >= 0.9 * INTERVAL_S
+        c.send(PONG, data)
+        c.writer.close()

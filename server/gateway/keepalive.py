@@ -20,9 +20,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
+import structlog
 from websockets.asyncio.server import ServerConnection
 from websockets.frames import CloseCode
 from websockets.protocol import State
+
+log = structlog.get_logger(__name__)
 
 # Connections looked at between two yields to the event loop: a sweep of 100,000 must not stall the
 # gateway's streams for tens of milliseconds at once.
@@ -64,15 +67,26 @@ async def sweep(
 ) -> None:
     """Ping every open connection quiet for ``interval``, and close one whose Pong does not come within
     ``pong_within_s`` (see the module), for ever."""
-    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(interval / 4)
-        for i, ws in enumerate(list(connections())):
-            if i and i % SWEEP_CHUNK == 0:
-                await asyncio.sleep(0)
-            if (
-                ws.keepalive_task is None
-                and ws.protocol.state is State.OPEN
-                and loop.time() - ws.heard_at >= interval
-            ):
-                ws.keepalive_task = loop.create_task(ws.ping_once(pong_within_s))
+        try:
+            await sweep_once(connections(), interval, pong_within_s)
+        except Exception:  # a bug here must not end every connection's keepalive for the process's life
+            log.exception("keepalive.sweep_failed")
+
+
+async def sweep_once(connections: Iterable[GatewayWebSocket], interval: float, pong_within_s: float) -> int:
+    """One sweep: a ping task for each open connection quiet for ``interval`` that has none; how many."""
+    loop = asyncio.get_running_loop()
+    started = 0
+    for i, ws in enumerate(list(connections)):
+        if i and i % SWEEP_CHUNK == 0:
+            await asyncio.sleep(0)
+        if (
+            ws.keepalive_task is None
+            and ws.protocol.state is State.OPEN
+            and loop.time() - ws.heard_at >= interval
+        ):
+            ws.keepalive_task = loop.create_task(ws.ping_once(pong_within_s))
+            started += 1
+    return started

@@ -11,10 +11,14 @@ import base64
 import os
 import struct
 import time
+from types import SimpleNamespace
 
 import msgpack
 import redis.asyncio as aioredis
+from pytest import MonkeyPatch
+from websockets.protocol import State
 
+from server.gateway import keepalive
 from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
 from tests.gateway.conftest import running_server
@@ -114,3 +118,45 @@ async def test_the_responses_websocket_is_pinged_when_quiet_too(
         assert opcode == PING and time.monotonic() - opened >= 0.9 * INTERVAL_S
         c.send(PONG, data)
         c.writer.close()
+
+
+class _Fake:
+    """What sweep_once reads of a connection, and the ping it starts."""
+
+    def __init__(self, heard_ago: float, state: State = State.OPEN, pinging: bool = False) -> None:
+        self.heard_at = asyncio.get_running_loop().time() - heard_ago
+        self.protocol = SimpleNamespace(state=state)
+        self.keepalive_task: object = object() if pinging else None
+        self.pinged = 0
+
+    async def ping_once(self, pong_within_s: float) -> None:
+        self.pinged += 1
+
+
+async def test_a_sweep_pings_only_open_quiet_connections_not_already_pinged(monkeypatch: MonkeyPatch) -> None:
+    monkeypatch.setattr(keepalive, "SWEEP_CHUNK", 2)  # yields to the loop mid-sweep: every one still seen
+    quiet, talking, closing, pinging = _Fake(25), _Fake(3), _Fake(25, State.CLOSING), _Fake(25, pinging=True)
+    conns = [quiet, talking, closing, pinging, _Fake(20)]
+    assert await keepalive.sweep_once(conns, 20, 20) == 2  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    assert [c.pinged for c in conns] == [1, 0, 0, 0, 1]
+    assert await keepalive.sweep_once(conns, 20, 20) == 0  # type: ignore[arg-type]  # their pings are on
+
+
+async def test_a_failing_sweep_does_not_end_the_keepalive() -> None:
+    calls = []
+    quiet = _Fake(25)
+
+    def connections() -> list[_Fake]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return [quiet]
+
+    task = asyncio.create_task(keepalive.sweep(connections, 0.04, 1))  # type: ignore[arg-type]
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if quiet.pinged:
+            break
+    task.cancel()
+    assert len(calls) >= 2 and quiet.pinged == 1

@@ -71,6 +71,11 @@ WS_REFUSED = Counter(
     "WebSocket handshakes refused by the connection caps, by reason (gateway or peer cap)",
     ["reason"],
 )
+KEEPALIVE = Counter(
+    "tokenwire_keepalive_pings_total",
+    "WebSocket Pings sent to connections quiet for the ping interval, by outcome (pong; timeout: 1011)",
+    ["outcome"],
+)
 
 # ---- worker
 RUNNING = Gauge("tokenwire_requests_running", "requests running on this worker's engine")

@@ -25,6 +25,8 @@ from websockets.asyncio.server import ServerConnection
 from websockets.frames import CloseCode
 from websockets.protocol import State
 
+from server import metrics
+
 log = structlog.get_logger(__name__)
 
 # Connections looked at between two yields to the event loop: a sweep of 100,000 must not stall the
@@ -51,7 +53,9 @@ class GatewayWebSocket(ServerConnection):
             try:
                 async with asyncio.timeout(pong_within_s):
                     self.latency = await pong
+                metrics.KEEPALIVE.labels("pong").inc()
             except TimeoutError:
+                metrics.KEEPALIVE.labels("timeout").inc()  # a peer gone without a close: found
                 async with self.send_context():
                     self.protocol.fail(CloseCode.INTERNAL_ERROR, "keepalive ping timeout")
         except Exception:  # the connection closed meanwhile (ConnectionClosed), or a bug: it ends either way

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import msgpack
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 from pytest import MonkeyPatch
 from websockets.protocol import State
 
@@ -69,6 +70,7 @@ class RawClient:
 async def test_a_talking_client_is_not_pinged_a_quiet_one_is_and_is_closed_if_it_does_not_answer(
     redis: aioredis.Redis, redis_url: str, keys: Keys
 ) -> None:
+    before = {o: _pings(o) for o in ("pong", "timeout")}
     gw = GatewaySettings(port=0, ping_interval_s=INTERVAL_S)
     async with running_server(redis, redis_url, keys, gateway=gw) as s:
         c = await RawClient.connect(s.port)
@@ -105,6 +107,12 @@ async def test_a_talking_client_is_not_pinged_a_quiet_one_is_and_is_closed_if_it
         assert opcode == CLOSE
         assert struct.unpack("!H", data[:2])[0] == 1011 and data[2:] == b"keepalive ping timeout"
         c.writer.close()
+    # /metrics counts both: one answered, one not (a peer gone without a close, as far as the server knows).
+    assert {o: _pings(o) - before[o] for o in before} == {"pong": 1, "timeout": 1}
+
+
+def _pings(outcome: str) -> float:
+    return REGISTRY.get_sample_value("tokenwire_keepalive_pings_total", {"outcome": outcome}) or 0.0
 
 
 async def test_the_responses_websocket_is_pinged_when_quiet_too(

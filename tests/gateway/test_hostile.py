@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import os
 import socket
 
-import msgpack
 import pytest
 import redis.asyncio as aioredis
 from websockets.asyncio.client import connect
@@ -19,6 +16,7 @@ from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
 from server.store.requests import Settings
 from tests.gateway.conftest import running_server
+from tests.gateway.raw_ws import RawClient
 
 
 async def test_chat_flood_is_rate_limited_with_retry_after(
@@ -65,25 +63,11 @@ async def _raw_client_that_never_reads(port: int, frames: list[dict[str, object]
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    reader, writer = await asyncio.open_connection(sock=sock)
-    key = base64.b64encode(os.urandom(16)).decode()
-    writer.write(
-        (
-            f"GET /v1/ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
-            "Sec-WebSocket-Protocol: tokenwire.v1.msgpack\r\n\r\n"
-        ).encode()
-    )
-    head = await reader.readuntil(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 101")
+    c = await RawClient.connect(port, sock=sock)
     for frame in frames:
-        payload = msgpack.packb(frame)
-        mask = os.urandom(4)
-        assert len(payload) < 126
-        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-        writer.write(bytes([0x82, 0x80 | len(payload)]) + mask + masked)
-    await writer.drain()
-    return writer
+        c.send_frame(frame)
+    await c.writer.drain()
+    return c.writer
 
 
 async def test_slow_reader_is_closed_and_can_resume(

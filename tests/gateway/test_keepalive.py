@@ -7,8 +7,6 @@ The client here is a raw socket, so that it answers a Ping control frame only wh
 from __future__ import annotations
 
 import asyncio
-import base64
-import os
 import struct
 import time
 from types import SimpleNamespace
@@ -23,48 +21,9 @@ from server.gateway import keepalive
 from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
 from tests.gateway.conftest import running_server
+from tests.gateway.raw_ws import BINARY, CLOSE, PING, PONG, RawClient
 
-PING, PONG, CLOSE, BINARY = 0x9, 0xA, 0x8, 0x2
 INTERVAL_S = 1.5  # long against any stall of the test's event loop, which also runs the gateway
-
-
-class RawClient:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def connect(cls, port: int, path: str = "/v1/ws") -> RawClient:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        key = base64.b64encode(os.urandom(16)).decode()
-        subprotocol = "Sec-WebSocket-Protocol: tokenwire.v1.msgpack\r\n" if path == "/v1/ws" else ""
-        writer.write(
-            (
-                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
-                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
-                f"{subprotocol}\r\n"
-            ).encode()
-        )
-        head = await reader.readuntil(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 101"), head
-        return cls(reader, writer)
-
-    def send(self, opcode: int, payload: bytes) -> None:
-        assert len(payload) < 126
-        mask = os.urandom(4)
-        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-        self.writer.write(bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + masked)
-
-    def send_frame(self, frame: dict[str, object]) -> None:
-        self.send(BINARY, msgpack.packb(frame))
-
-    async def recv(self) -> tuple[int, bytes]:
-        b0, b1 = await self.reader.readexactly(2)
-        n = b1 & 0x7F
-        if n == 126:
-            (n,) = struct.unpack("!H", await self.reader.readexactly(2))
-        elif n == 127:
-            (n,) = struct.unpack("!Q", await self.reader.readexactly(8))
-        return b0 & 0x0F, await self.reader.readexactly(n)
 
 
 async def test_a_talking_client_is_not_pinged_a_quiet_one_is_and_is_closed_if_it_does_not_answer(

@@ -83,14 +83,12 @@ async def sweep_once(connections: Iterable[GatewayWebSocket], interval: float, p
     """One sweep: a ping task for each open connection quiet for ``interval`` that has none; how many."""
     loop = asyncio.get_running_loop()
     started = 0
+    quiet_since = loop.time() - interval  # heard from at or before this: quiet for the interval
     for i, ws in enumerate(list(connections)):
         if i and i % SWEEP_CHUNK == 0:
             await asyncio.sleep(0)
-        if (
-            ws.keepalive_task is None
-            and ws.protocol.state is State.OPEN
-            and loop.time() - ws.heard_at >= interval
-        ):
+            quiet_since = loop.time() - interval
+        if ws.heard_at <= quiet_since and ws.keepalive_task is None and ws.protocol.state is State.OPEN:
             ws.keepalive_task = loop.create_task(ws.ping_once(pong_within_s))
             started += 1
     return started

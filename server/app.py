@@ -23,6 +23,7 @@ from server.aio import cancel_and_wait, in_daemon_thread
 from server.cluster import SECOND_SIGNAL_ENV
 from server.gateway.server import WS_PATH, BindFailed, Gateway, GatewaySettings
 from server.gctune import tune_for_long_lived_objects
+from server.malloctune import keep_freed_memory_for_the_engine, return_freed_memory_to_the_os, trim_heap
 from server.store.keys import CLUSTER_PARTITIONS, Keys
 from server.store.requests import RequestStore, Settings
 from server.store.sessions import SessionStore, shared_secret
@@ -236,37 +237,6 @@ def check_models(cfg: ServeConfig) -> None:
                 )
 
 
-def _glibc_call(name: str, *args: int) -> None:
-    """Call one of glibc's malloc tuning functions; elsewhere (not glibc), nothing."""
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError):
-        getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)(*args)
-
-
-def return_freed_memory_to_the_os() -> None:
-    """Make glibc give large freed blocks back to the OS. Its mmap threshold starts at 128 KiB but rises
-    to the size of any mmapped block freed, so after the first 1 MiB frame every later one is carved out
-    of the heap, and a flood of big frames leaves the process that much larger for good. A fixed
-    threshold keeps blocks of 256 KiB and more (frames, bodies, their decoded strings) in mmap, freed at
-    once. Elsewhere (not glibc) this does nothing.
-
-    Only for a process with no engine (``run_gateway``; ``serve`` leaves it): the setting is process-wide,
-    and an engine's tensors of 256 KiB and more (a decode step's activations and logits, dozens a step)
-    would then each be a fresh mmap, page-faulted in and unmapped again. In ``tokenwire serve`` that cost
-    39% of its tokens/s (2026-12-05, a 2-core EPYC, the e2e workload over HTTP, alternated: 266.7 / 270.2
-    with it against 436.2 / 442.0 without)."""
-    m_mmap_threshold, m_trim_threshold = -3, -1  # mallopt parameters, from glibc's malloc.h
-    _glibc_call("mallopt", m_mmap_threshold, 256 * 1024)
-    _glibc_call("mallopt", m_trim_threshold, 1 << 20)
-
-
-def trim_heap() -> None:
-    """glibc's ``malloc_trim``: hand the heap's free pages back to the OS (elsewhere, nothing)."""
-    _glibc_call("malloc_trim", 0)
-
-
 async def start_gateway(cfg: ServeConfig, h: StoreHandles, ready: Any) -> Gateway:
     secret = await shared_secret(h.r, h.store.keys, cfg.session_secret)
     sessions = SessionStore(h.r, h.store.keys, secret, cfg.store.session_ttl_ms)
@@ -322,6 +292,7 @@ def load_engine(
 
     loaded, engine = in_own_thread(load, "tokenwire-load")
     trim_heap()  # the start's temporaries (GGUF conversion, the dtype measurement) back to the OS
+    keep_freed_memory_for_the_engine()
     return loaded, engine
 
 

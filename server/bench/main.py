@@ -39,6 +39,7 @@ from server.engine.model import load_model, pick_device
 from server.engine.profile import StepRecord
 from server.engine.runner import kv_bytes_per_token
 from server.engine.threads import in_own_thread
+from server.malloctune import keep_freed_memory_for_the_engine
 
 T = TypeVar("T")
 
@@ -77,6 +78,9 @@ def main(
             else load_model(model, device=dev, dtype=dtype)
         )
     )
+    # As in a serving process once its model is loaded (server/malloctune.py): the paths' steps then
+    # find what the last one freed, instead of faulting it in again; every path alike.
+    keep_freed_memory_for_the_engine()
     dtype_name = loaded.dtype_name
     reqs = _own(lambda: workload(loaded, requests, seed, random_ids=bool(random_weights)))
     echo(

@@ -23,9 +23,10 @@ def return_freed_memory_to_the_os() -> None:
     threshold keeps blocks of 256 KiB and more (frames, bodies, their decoded strings) in mmap, freed at
     once. Elsewhere (not glibc) this does nothing.
 
-    Only for a process with no engine (``run_gateway``; ``serve`` leaves it): the setting is process-wide,
-    and an engine's tensors of 256 KiB and more (a decode step's activations and logits, dozens a step)
-    would then each be a fresh mmap, page-faulted in and unmapped again. In ``tokenwire serve`` that cost
+    Only for a process with no engine (``run_gateway``; one with an engine keeps its steps' memory,
+    below): the setting is process-wide, and an engine's tensors of 256 KiB and more (a decode step's
+    activations and logits, dozens a step) would then each be a fresh mmap, page-faulted in and unmapped
+    again. In ``tokenwire serve`` that cost
     39% of its tokens/s (2026-12-05, a 2-core EPYC, the e2e workload over HTTP, alternated: 266.7 / 270.2
     with it against 436.2 / 442.0 without)."""
     m_mmap_threshold, m_trim_threshold = -3, -1  # mallopt parameters, from glibc's malloc.h
@@ -38,10 +39,10 @@ def keep_freed_memory_for_the_engine() -> None:
     the engine thread's arena whenever a step's freed tensors leave more than twice its (dynamic) mmap
     threshold free at the top, and drops the arena's heap when it empties; the next step faults the same
     pages in again, zeroed. A decode step's logits, their float32 copy and the sampler's buffers are
-    several MiB a step, so that was tens of thousands of page faults a second on the engine thread, and
-    an unmap of a mapping the OpenMP worker had touched. A fixed trim threshold of 64 MiB (a thread
-    arena's heap is at most 64 MiB, so those are never trimmed) and a fixed mmap threshold of 32 MiB
-    (the most glibc's dynamic one reaches: what it settles at after the first large tensors) stop it.
+    several MiB a step, so that was tens of thousands of page faults a second on the engine thread. A
+    fixed trim threshold of 64 MiB (a thread arena's heap is at most 64 MiB, so those are never trimmed)
+    and a fixed mmap threshold of 32 MiB (the most glibc's dynamic one reaches: what it settles at after
+    the first large tensors) stop it.
     Measured on a 2-core Xeon with AMX, bf16, ``tokenwire serve`` from the commit before and with this,
     alternated three times (2026-12-07; 256 streamed chat completions of 32 users over HTTP, after 64
     to warm up): 64,000-73,000 page faults a second before, 1,200-3,100 after; 453 / 470 / 475 tokens/s

@@ -107,7 +107,8 @@ def _check_id(v: object, where: str) -> str:
 
 
 def _offset(v: object, where: str, id: str | None) -> int:
-    if not _is_int(v) or v < 0:  # type: ignore[operator]
+    # At most 2**64-1, as every wire integer (_is_number): JSON can spell more, msgpack cannot.
+    if not _is_int(v) or not 0 <= v <= 2**64 - 1:  # type: ignore[operator]
         raise _bad(f"{where}: expected a non-negative integer, got {_type_name(v)} {_short(v)}", id)
     return v  # type: ignore[return-value]
 
@@ -329,7 +330,8 @@ def _parse_params(pv: object, id: str) -> Params:
         f = float(v)
         if f < lo or f > hi or (lo_open and f == lo):
             bracket = "(" if lo_open else "["
-            raise _bad(f"params.{key}: expected a number in {bracket}{lo:g}, {hi:g}], got {f:g}", id)
+            # The value as sent: {f:g} showed 2.0000001 as "2", in the range the message says it is not.
+            raise _bad(f"params.{key}: expected a number in {bracket}{lo:g}, {hi:g}], got {_short(v)}", id)
         return f
 
     def integer(key: str, lo: int, hi: int) -> int | None:

@@ -119,7 +119,7 @@ def redis_url_problem(url: str) -> str | None:
     if not parts.hostname:
         return f"{url!r}: no host (write redis://127.0.0.1:6379/0, say)"
     db = parts.path.strip("/")
-    if db and not db.isdigit():
+    if db and not (db.isascii() and db.isdigit()):  # isdigit() alone takes U+00B2, which int() refuses
         return f"{url!r}: the database after the host must be a number, got {db!r}"
     return None
 

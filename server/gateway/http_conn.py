@@ -355,7 +355,7 @@ class HttpConnection(asyncio.Protocol):
             # §6.1 lets a server refuse it, and it must close the connection either way: 400, closed.
             raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding")
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
+        if length is not None and length.isascii() and length.isdigit() and int(length) > self.max_body:
             raise _TooLarge()
         if self.h11.they_are_waiting_for_100_continue:
             await self._write(h11.InformationalResponse(status_code=100, headers=[]))

@@ -79,7 +79,7 @@ def chat_messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise bad(f"{where}: expected an object {{role, content}}", param=where)
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or an object is not hashable
             raise bad(f"{where}.role: one of {', '.join(ROLES)}", param=f"{where}.role")
         for key, value in m.items():
             if key not in ("role", "content", "name") and value is not None:

@@ -112,7 +112,7 @@ class Responses:
         after: int | None = None
         if "starting_after" in query:
             raw = query["starting_after"][-1]
-            if not raw.isdigit() or len(raw) > 12:
+            if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:  # isdigit() alone: U+00B2, U+0661...
                 raise bad(
                     "starting_after: a non-negative integer of at most 12 digits", param="starting_after"
                 )

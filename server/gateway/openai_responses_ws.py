@@ -115,9 +115,13 @@ class ResponsesSocket:
 
     async def _create(self, event: dict[str, Any], lane: Lane) -> None:
         body = {k: v for k, v in event.items() if k not in ("type", "stream_id", "generate", "stream")}
-        generate = event.get("generate", True)
+        generate = event.get("generate")
+        generate = True if generate is None else generate  # null is absent, as for every field
         if not isinstance(generate, bool):
             raise bad("generate: expected a boolean", param="generate")
+        for key in ("stream", "background"):  # typed as over HTTP before their WebSocket meaning
+            if event.get(key) is not None and not isinstance(event.get(key), bool):
+                raise bad(f"{key}: expected a boolean", param=key)
         if event.get("stream") is False:
             raise bad("stream: a WebSocket response is always streamed (leave stream out)", param="stream")
         if body.get("background"):
@@ -223,10 +227,13 @@ class ResponsesSocket:
             rid, _, raw = point.rpartition(":")
             lane: Lane = None
             try:
-                if not rid or not raw.isdigit() or len(raw) > 12:
+                # ASCII digits only: str.isdigit() also takes U+00B2, which int() refuses, and other
+                # scripts' digits.
+                if not rid or not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
                     raise bad(
                         f"{RESUME_PARAM}: {point[:80]!r} is not RESPONSE_ID:SEQUENCE_NUMBER", RESUME_PARAM
                     )
+                after = int(raw)  # before the admission below: nothing is held if it could fail
                 # Admitted before the response is looked up: the lookup reads its whole log.
                 grant = await self.api.admit(
                     self.caller, rid[len(PREFIX) :][:64], kind="resume", conn=self.limits
@@ -239,9 +246,16 @@ class ResponsesSocket:
                 except BaseException:
                     grant.release()
                     raise
-                self._start(lane, rid, grant, int(raw))
+                self._start(lane, rid, grant, after)
             except ApiError as exc:
                 await self._error(exc, lane)
+            except ConnectionClosed:
+                raise
+            except Exception as exc:  # as for an event (_event): a bug must not end the connection
+                self.log.error("responses_ws.resume_failed", exc_info=exc)
+                await self._error(
+                    ApiError(500, f"internal error: {type(exc).__name__}", code="internal"), lane
+                )
 
     async def _send(self, event: dict[str, Any]) -> None:
         data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)

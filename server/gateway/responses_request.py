@@ -72,7 +72,7 @@ def input_messages(value: object) -> list[dict[str, str]]:
             what = f" ({str(kind)[:40]!r} items: tools are not supported)" if isinstance(kind, str) else ""
             raise bad(f"{where}: only messages {{role, content}} are supported{what}", param=where)
         role = item.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or an object is not hashable
             raise bad(f"{where}.role: one of {', '.join(ROLES)}", param=f"{where}.role")
         content = item.get("content")
         if isinstance(content, list):
@@ -194,7 +194,8 @@ async def plan_create(
         if body.get(key) is not None:
             params[wire] = body[key]
     params["model"] = model  # chooses the model as params.model does (unknown: 404)
-    chat = api.to_chat(id, messages, params, {"max_tokens": "max_output_tokens"})
+    # "messages" is the input (with any earlier turns): a refusal of their count names the body's field.
+    chat = api.to_chat(id, messages, params, {"max_tokens": "max_output_tokens", "messages": "input"})
     extra = {
         "instructions": instructions,
         "previous_response_id": prev_id,

@@ -385,3 +385,13 @@ def test_a_data_folder_that_cannot_be_one_is_said_in_words(tmp_path: Path) -> No
     a_file.write_text("not a folder")
     with pytest.raises(EmbeddedValkeyError, match=r"data folder .*notes\.txt cannot be used .*--data-dir"):
         EmbeddedValkey(a_file).start()
+
+
+@pytest.mark.parametrize("db", ["\u00b2", "\u0661", "1\u00b2"])
+def test_a_redis_database_in_digits_that_are_not_ascii_is_refused(db: str) -> None:
+    # str.isdigit() takes them; int(), which redis-py calls on the database, refuses U+00B2 and reads U+0661
+    # as 1.
+    from server.argtypes import redis_url_problem
+
+    problem = redis_url_problem(f"redis://127.0.0.1:6379/{db}")
+    assert problem is not None and "must be a number" in problem

@@ -114,6 +114,10 @@ def test_only_rows_that_ask_are_touched_and_inference_tensors_are_fine() -> None
         ({"repetition_penalty": "1.1"}, "params.repetition_penalty: expected a finite number, got string"),
         ({"frequency_penalty": -2.1}, "params.frequency_penalty: expected a number in [-2, 2], got -2.1"),
         ({"presence_penalty": 3}, "params.presence_penalty"),
+        (
+            {"presence_penalty": 2.0000001},
+            "params.presence_penalty: expected a number in [-2, 2], got 2.0000001",
+        ),
     ],
 )
 def test_out_of_range_penalties_are_bad_frames(params: dict[str, object], error: str) -> None:

@@ -247,6 +247,22 @@ async def test_bad_bodies_get_documented_4xx_and_nothing_breaks(server: Running)
             port, "POST", "/v1/responses", b'{"model":"default","input":' + text + b"}", json_h
         )
         assert status == 400, body
+    # A role that is an array or an object (unhashable): 400 naming it, where it was a 500.
+    for role in (b'["user"]', b'{"a":1}'):
+        msg = b'[{"role":' + role + b',"content":"x"}]'
+        for path, field, where in (
+            ("/v1/chat/completions", b"messages", "messages[0].role"),
+            ("/v1/responses", b"input", "input[0].role"),
+        ):
+            bad_role = b'{"model":"default","max_tokens":1,"' + field + b'":' + msg + b"}"
+            if field == b"input":
+                bad_role = bad_role.replace(b'"max_tokens"', b'"max_output_tokens"')
+            status, _, body = await raw(port, "POST", path, bad_role, json_h)
+            assert status == 400 and json.loads(body)["error"]["param"] == where, (path, body)
+    # Too many input messages: the refusal names the Responses body's field, not the chat's "messages".
+    many = json.dumps({"model": "default", "input": [{"role": "user", "content": "x"}] * 257}).encode()
+    status, _, body = await raw(port, "POST", "/v1/responses", many, json_h)
+    assert status == 400 and json.loads(body)["error"]["param"] == "input", body
     # The WebSocket door and the plain GETs still answer as before, on the same port.
     status, _, body = await raw(port, "GET", "/healthz")
     assert status == 200 and body == b"ok\n"
@@ -447,6 +463,14 @@ async def test_starting_after_past_the_last_event_is_refused(server: Running) ->
     with pytest.raises(openai.BadRequestError) as err:
         await client.responses.retrieve(r.id, stream=True, starting_after=last + 1)
     assert err.value.body["param"] == "starting_after"  # type: ignore[index]
+    # Digits that are not ASCII: "\u00b2" passes str.isdigit() but not int() (a 500 before), "\u0661" was
+    # read as 1.
+    for digit in ("%C2%B2", "%D9%A1"):
+        for stream in ("stream=true&", ""):
+            status, _, body = await raw(
+                server.port, "GET", f"/v1/responses/{r.id}?{stream}starting_after={digit}"
+            )
+            assert status == 400 and json.loads(body)["error"]["param"] == "starting_after", body
 
 
 async def _params(server: Running, owner_key: str, id: str) -> dict[str, object]:

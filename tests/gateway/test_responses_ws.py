@@ -167,12 +167,17 @@ async def test_refusals_name_the_field_and_the_socket_stays_usable(server: Runni
             {"background": True},
             {"reasoning": {"effort": "high"}},
             {"prompt_cache_key": "k\ud800"},  # a lone surrogate: not text (a 500 before)
+            {"stream": 5},  # typed as over HTTP (created a response before)
+            {"background": 0},
+            {"input": [{"role": ["user"], "content": "x"}]},  # an unhashable role (a 500 before)
         ]
         for extra in sends:
             await conn.send({"type": "response.create", "model": "default", "input": "x", **extra})  # type: ignore[arg-type,typeddict-item]
         await conn.send({"type": "response.cancel"})  # type: ignore[arg-type,typeddict-item]
         errors = [await asyncio.wait_for(conn.recv(), 10) for _ in range(len(sends) + 1)]
-        await conn.response.create(model="default", input="still fine", max_output_tokens=2)
+        # background false and a null generate are what their absence is
+        still = {"input": "still fine", "max_output_tokens": 2, "background": False, "generate": None}
+        await conn.send({"type": "response.create", "model": "default", **still})  # type: ignore[arg-type,typeddict-item]
         ok = await until_end(conn)
     got = [(e.type, e.error.code, e.error.param) for e in errors]
     assert got == [
@@ -183,6 +188,9 @@ async def test_refusals_name_the_field_and_the_socket_stays_usable(server: Runni
         ("error", "invalid_request_error", "background"),
         ("error", "unsupported_parameter", "reasoning"),
         ("error", "invalid_request_error", None),
+        ("error", "invalid_request_error", "stream"),
+        ("error", "invalid_request_error", "background"),
+        ("error", "invalid_request_error", "input[0].role"),
         ("error", "invalid_request_error", "type"),
     ]
     assert "images" in errors[1].error.message and "tools" in errors[0].error.message
@@ -205,6 +213,28 @@ async def test_a_binary_frame_or_a_repeated_key_gets_an_error_event(server: Runn
     ] * 2
     assert "binary" in errors[0]["error"]["message"] and "repeats a key" in errors[1]["error"]["message"]
     assert event["type"] == "response.incomplete"  # the socket serves on
+
+
+async def test_a_resume_point_with_a_non_ascii_digit_is_refused_and_holds_no_stream(server: Running) -> None:
+    # "\u00b2" (superscript two) passes str.isdigit() but not int(): the handshake's resume point was
+    # admitted, then the handler died with a ValueError, closing the socket and keeping the stream, so
+    # 256 such handshakes locked the owner out of every stream (429) until a restart.
+    done = await sdk(server).responses.create(model="default", input="x", max_output_tokens=2)
+    url = f"ws://127.0.0.1:{server.port}/v1/responses"
+    headers = {"Authorization": "Bearer k-test"}
+    for point in (f"{done.id}:%C2%B2", f"{done.id}:%D9%A1"):  # U+00B2, and U+0661 (an Arabic-Indic 1)
+        async with websockets.connect(f"{url}?tw_resume={point}", additional_headers=headers) as ws:
+            err = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            await ws.send('{"type":"response.create","model":"default","input":"ok","max_output_tokens":2}')
+            while (event := json.loads(await asyncio.wait_for(ws.recv(), 10)))["type"] not in END:
+                pass
+        assert (err["type"], err["status"], err["error"]["param"]) == ("error", 400, "tw_resume"), err
+        assert event["type"] == "response.incomplete"  # the socket served on
+    admission = server.gateway.core.admission
+    deadline = time.monotonic() + 5
+    while any(admission.streams_by_owner.values()) and time.monotonic() < deadline:  # noqa: ASYNC110 (a count)
+        await asyncio.sleep(0.02)
+    assert not any(admission.streams_by_owner.values()), admission.streams_by_owner
 
 
 async def test_the_handshake_needs_a_jwt_when_auth_is_on(

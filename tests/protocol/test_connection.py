@@ -135,6 +135,25 @@ def test_a_version_beyond_the_wires_integers_is_a_bad_frame(version: int) -> Non
     assert conn.events_received() != []  # the connection went on: the next hello is read
 
 
+@pytest.mark.parametrize(
+    "frame",
+    [
+        {"type": "resume", "id": "r-1", "offset": 2**64},
+        {"type": "resume", "id": "r-1", "offset": 10**30},
+        {"type": "hello", "v": 1, "resume": [{"id": "r-1", "offset": 2**64}]},
+    ],
+)
+def test_a_resume_offset_beyond_the_wires_integers_is_a_bad_frame(frame: dict[str, Any]) -> None:
+    # SPEC §3 and §4.1: a JSON offset past 2^64-1 is refused as a field, before any store is asked (it was
+    # taken, then answered not_found or "past the tokens generated so far").
+    with pytest.raises(ProtocolError) as err:
+        parse_client_frame(frame)
+    assert err.value.code == ErrorCode.BAD_FRAME and "offset" in str(err.value)
+    assert parse_client_frame({"type": "resume", "id": "r-1", "offset": 2**64 - 1}) == Resume(
+        id="r-1", offset=2**64 - 1
+    )
+
+
 @SUBPROTOCOLS
 @pytest.mark.parametrize("version", [0, 2, 99])
 def test_unsupported_version_closes_with_1002(subprotocol: str, version: int) -> None:

@@ -11,7 +11,8 @@ A grant is what the rest of the core insists on: :meth:`server.gateway.submit.Su
 :meth:`server.gateway.streams.Streams.follow` take one and refuse to run without it, so a door cannot
 skip this step. A grant holds the stream slot (of its connection and of its owner) and, for a
 content-mode turn that waits for the previous turn, a waiting slot of its session and the bytes of its
-content, until the door releases it; releasing is idempotent.
+content, until the door releases it; releasing is idempotent. A door that gives its grant to a task makes
+that task with :func:`task_holding`, which releases the grant if the task is cancelled before it ran.
 
 What is checked, cheapest first (SPEC.md §6):
 
@@ -30,10 +31,11 @@ Frame and body sizes are checked where the bytes are read (websockets' ``max_siz
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from protocol import ErrorCode, ProtocolError
 from server import metrics
@@ -42,6 +44,7 @@ from server.gateway.settings import GatewaySettings
 from server.store.requests import RequestStore
 
 Kind = Literal["chat", "resume", "cancel"]
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -363,3 +366,31 @@ def require(grant: object) -> Grant:
     if not isinstance(grant, Grant):
         raise TypeError("this needs a Grant from Admission.admit: every door is admitted first")
     return grant
+
+
+def task_holding(grant: Grant, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
+    """A task that runs ``coro``, which holds ``grant`` and releases it (or hands it on) as it ends.
+
+    A task cancelled before its first step never runs its coroutine's body, its ``finally`` included, so
+    it would keep the grant's slots for good. A connection whose client is gone cancels its tasks in the
+    same pass of the event loop that made them (websockets raises ``ConnectionClosed`` without suspending
+    once the socket is lost), and a client that sends a chat and drops at once did that: each time, one
+    stream slot of its owner was kept, and after ``max_streams_per_user`` of them the owner was refused
+    every stream until a restart. Here a task that never started releases the grant as it ends. One that
+    started is its body's business: it may have handed the grant to another task (a waiting turn to the
+    stream it attached)."""
+    started = False
+
+    async def run() -> T:
+        nonlocal started
+        started = True
+        return await coro
+
+    def unstarted(_task: asyncio.Task[T]) -> None:
+        if not started:
+            coro.close()  # never awaited: closed, without a "never awaited" warning
+            grant.release()
+
+    task = asyncio.create_task(run(), name=name)
+    task.add_done_callback(unstarted)
+    return task

@@ -42,7 +42,7 @@ from protocol import (
 )
 from protocol.connection import ServerConnection
 from server import metrics
-from server.gateway.admission import Ask, Grant, Kind
+from server.gateway.admission import Ask, Grant, Kind, task_holding
 from server.gateway.auth import authenticate_user
 from server.gateway.core import GatewayCore
 from server.gateway.ingress import pace, peer_address
@@ -140,8 +140,8 @@ class Connection:
         finally:
             no_hello.cancel()
             self._gone = True
-            # A waiting turn's task releases its grant as it is cancelled; a client that reconnects sends
-            # that chat again (it was never accepted).
+            # A waiting turn's task releases its grant as it is cancelled (task_holding: even one that never
+            # started); a client that reconnects sends that chat again (it was never accepted).
             for task in [*self._attached.values(), *self._waiting]:
                 task.cancel()
             # A disconnect never cancels a request: it runs on and its log fills for a later resume.
@@ -281,7 +281,7 @@ class Connection:
         turn = WaitingTurn(
             asyncio.Event(), asyncio.get_running_loop().create_future(), chat.canonical(), waits_for
         )
-        task = asyncio.create_task(self._chat_after_wait(chat, grant, before, turn), name=f"turn-{chat.id}")
+        task = task_holding(grant, self._chat_after_wait(chat, grant, before, turn), name=f"turn-{chat.id}")
         self._waiting.add(task)
         task.add_done_callback(self._waiting.discard)
         self._turns.setdefault(chat.id, []).append(turn)
@@ -549,8 +549,8 @@ class Connection:
         if old is not None:
             old.cancel()
         started = (time.monotonic(), model) if model is not None else None
-        self._attached[id] = asyncio.create_task(
-            self._stream(id, offset, grant, started), name=f"stream-{id}"
+        self._attached[id] = task_holding(
+            grant, self._stream(id, offset, grant, started), name=f"stream-{id}"
         )
 
     async def _stream(

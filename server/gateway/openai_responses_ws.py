@@ -33,7 +33,7 @@ from websockets.asyncio.server import ServerConnection as WebSocket
 from websockets.exceptions import ConnectionClosed
 
 from protocol.codec import json_error
-from server.gateway.admission import Grant
+from server.gateway.admission import Grant, task_holding
 from server.gateway.http_common import ApiError, Caller, HttpCore, bad, loads
 from server.gateway.ingress import pace, peer_address
 from server.gateway.responses_events import (
@@ -177,7 +177,7 @@ class ResponsesSocket:
         await self._send({"type": "response.completed", "sequence_number": 1, "response": done, **tail})
 
     def _start(self, lane: Lane, rid: str, grant: Grant, after: int | None) -> None:
-        task = asyncio.create_task(self._stream(lane, rid, grant, after), name=f"responses-ws-{rid}")
+        task = task_holding(grant, self._stream(lane, rid, grant, after), name=f"responses-ws-{rid}")
         self.lanes[lane] = task
         # A finished lane leaves the dict: its stream_id is the client's choice, so a long-lived socket
         # creating response after response on new lanes would otherwise grow it without bound.

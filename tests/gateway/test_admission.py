@@ -31,7 +31,7 @@ from protocol import (
     Waiting,
 )
 from server.client import Client
-from server.gateway.admission import Admission, Ask, Grant
+from server.gateway.admission import Admission, Ask, Grant, task_holding
 from server.gateway.server import GatewaySettings
 from server.gateway.streams import Streams
 from server.gateway.submit import ChatRequest, Submitter
@@ -350,6 +350,49 @@ async def test_a_grant_that_must_wait_after_all_takes_a_waiting_slot_within_the_
     first.release()
     second.release()
     assert adm.waiting_by_session == {} and adm.waiting_bytes == 0 and conn.count() == 0
+
+
+async def test_a_task_cancelled_before_its_first_step_still_releases_its_grant() -> None:
+    """A connection whose client is gone cancels the stream (or waiting turn) task it just made before that
+    task ever runs: the coroutine's body, and the finally that releases the grant in it, never run. Before
+    task_holding, each such drop kept a stream slot of the owner (and a waiting turn's slot and bytes), so
+    enough of them refused the owner every stream until a restart."""
+    adm = Admission(GatewaySettings(), _NoRates())  # type: ignore[arg-type]
+    conn = adm.connection("10.0.0.1")
+    ran: list[str] = []
+
+    async def body(grant: Grant) -> None:
+        try:
+            ran.append("body")
+            await asyncio.sleep(3600)
+        finally:
+            grant.release()
+
+    stream = await adm.admit(Ask("chat", "o", "s1", conn=conn))
+    turn = await adm.admit(Ask("chat", "o", "t1", conn=conn, session="s", waits=True, held_bytes=10))
+    assert adm.streams_by_owner == {"o": 2} and adm.waiting_bytes == 10
+    coros = [body(stream), body(turn)]
+    tasks = [
+        task_holding(g, c, name=f"t{i}") for i, (g, c) in enumerate(zip((stream, turn), coros, strict=True))
+    ]
+    for task in tasks:
+        task.cancel()  # in the same pass of the loop that made it: it never starts
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert ran == [] and all(c.cr_frame is None for c in coros)  # never ran, and closed (no warning)
+    assert adm.streams_by_owner == {} and conn.count() == 0
+    assert adm.waiting_by_session == {} and adm.waiting_bytes == 0
+
+    # A task that started is its body's business: the grant may have been handed on (a waiting turn's
+    # to the stream it attached), so task_holding leaves it alone.
+    handed = await adm.admit(Ask("chat", "o", "s2", conn=conn))
+
+    async def hands_on(grant: Grant) -> None:
+        ran.append("hands_on")
+
+    await task_holding(handed, hands_on(handed), name="h")
+    assert ran == ["hands_on"] and adm.streams_by_owner == {"o": 1}
+    handed.release()
+    assert adm.streams_by_owner == {} and conn.count() == 0
 
 
 async def test_http_retrieves_and_cancels_are_rated_per_user_before_the_store_is_read(

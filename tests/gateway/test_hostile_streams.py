@@ -5,14 +5,19 @@ rate-limited like chats."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import redis.asyncio as aioredis
+import websockets
+from websockets.typing import Subprotocol
 
 from protocol import Accepted, Chat, Error, ErrorCode, Message, Params, Resume, ResumePoint, ServerFrame
+from protocol.codec import JSON_SUBPROTOCOL
 from server.client import Client, collect
 from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
-from tests.gateway.conftest import running_server
+from tests.gateway.conftest import Running, running_server
 
 CAP = 4
 LONG = Params(max_tokens=400)  # with the slow fake engine below: runs for about a minute
@@ -131,3 +136,28 @@ async def test_resume_flood_is_rate_limited_per_user(
         # 5 per one-second window: 30 resumes sent back to back cannot all pass.
         assert limited > 0 and accepted >= 5
         await c.close()
+
+
+async def test_clients_dropped_right_after_a_chat_or_a_waiting_turn_hold_nothing(server: Running) -> None:
+    """A client gone in the same pass of the loop that made its stream or waiting-turn task (a phone losing
+    signal just after sending) used to keep that task's grant: the connection cancelled the task before it
+    ran, so its releasing finally never did, and each drop kept a stream slot of the owner (a waiting turn
+    also its session's waiting slot and its bytes)."""
+    server.engine.reply_len = 40
+    server.engine.step_s = 0.01
+    hello = json.dumps({"type": "hello", "v": 1})
+    for i in range(20):
+        ws = await websockets.connect(server.url, subprotocols=[Subprotocol(JSON_SUBPROTOCOL)])
+        await ws.send(hello)
+        json.loads(await asyncio.wait_for(ws.recv(), 10))  # welcome
+        # Two content-mode turns of one session: the second waits for the first (SPEC §4.2).
+        for n in range(1 + i % 2):
+            await ws.send(json.dumps({"type": "chat", "id": f"d{i}-{n}", "content": "bye"}))
+        ws.transport.abort()
+        await ws.wait_closed()
+    admission = server.gateway.core.admission
+    deadline = time.monotonic() + 10
+    while admission.streams_by_owner and time.monotonic() < deadline:  # noqa: ASYNC110 (a count)
+        await asyncio.sleep(0.02)
+    assert admission.streams_by_owner == {}
+    assert admission.waiting_by_session == {} and admission.waiting_bytes == 0

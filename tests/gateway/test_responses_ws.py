@@ -237,6 +237,29 @@ async def test_a_resume_point_with_a_non_ascii_digit_is_refused_and_holds_no_str
     assert not any(admission.streams_by_owner.values()), admission.streams_by_owner
 
 
+async def test_sockets_dropped_right_after_a_resume_or_a_create_hold_no_stream(server: Running) -> None:
+    # A client gone in the same pass of the loop that made its stream task (a phone losing signal) used to
+    # keep a stream slot for each drop: the task was cancelled before it ran its releasing finally.
+    server.engine.reply_len = 40
+    server.engine.step_s = 0.01
+    done = await sdk(server).responses.create(model="default", input="x", max_output_tokens=2)
+    url = f"ws://127.0.0.1:{server.port}/v1/responses"
+    headers = {"Authorization": "Bearer k-test"}
+    create = '{"type":"response.create","model":"default","input":"bye","max_output_tokens":40}'
+    for i in range(20):
+        query = f"?tw_resume={done.id}:0" if i % 2 else ""
+        ws = await websockets.connect(f"{url}{query}", additional_headers=headers)
+        if not query:
+            await ws.send(create)
+        ws.transport.abort()
+        await ws.wait_closed()
+    admission = server.gateway.core.admission
+    deadline = time.monotonic() + 10
+    while any(admission.streams_by_owner.values()) and time.monotonic() < deadline:  # noqa: ASYNC110 (a count)
+        await asyncio.sleep(0.02)
+    assert not any(admission.streams_by_owner.values()), admission.streams_by_owner
+
+
 async def test_the_handshake_needs_a_jwt_when_auth_is_on(
     redis: aioredis.Redis, redis_url: str, keys: Keys
 ) -> None:

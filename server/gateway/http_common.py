@@ -15,7 +15,7 @@ import json
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -386,7 +386,7 @@ class HttpCore:
 
     async def follow(
         self, grant: Grant, owner: str, id: str, offset: int = 0, *, attached: bool = True
-    ) -> AsyncIterator[list[LogEntry]]:
+    ) -> AsyncGenerator[list[LogEntry], None]:
         """The request's log from token ``offset``: batches of entries as they come (replay, then live),
         the last batch ending with the end entry; releases ``grant`` when it ends. ``attached``: while
         this runs, the request counts as having a client (the detach timeout does not run). Raises

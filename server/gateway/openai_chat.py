@@ -9,6 +9,7 @@ Anything tokenwire does not do gets a 400 naming the field, never silence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -223,29 +224,31 @@ class ChatCompletions:
         try:
             yield chunk({"role": "assistant", "content": ""})
             try:
-                async for batch in self.api.follow(grant, caller.owner, id):
-                    text = "".join(e.text for e in batch if e.finish is None)
-                    if text:
-                        yield chunk({"content": text})
-                    end = batch[-1]
-                    if end.finish is None:
-                        continue
-                    ended = True
-                    if end.finish in ("stop", "length"):
-                        yield chunk({}, end.finish)
-                        if include_usage:
-                            yield sse(
-                                {
-                                    "id": cid,
-                                    "object": "chat.completion.chunk",
-                                    "created": created,
-                                    "model": model,
-                                    "choices": [],
-                                    "usage": usage(end),
-                                }
-                            )
-                    else:
-                        yield sse(entry_error(end).body())
+                # Closed with this body even if it stops at a yield (aclosing: see openai_responses_ws).
+                async with contextlib.aclosing(self.api.follow(grant, caller.owner, id)) as log:
+                    async for batch in log:
+                        text = "".join(e.text for e in batch if e.finish is None)
+                        if text:
+                            yield chunk({"content": text})
+                        end = batch[-1]
+                        if end.finish is None:
+                            continue
+                        ended = True
+                        if end.finish in ("stop", "length"):
+                            yield chunk({}, end.finish)
+                            if include_usage:
+                                yield sse(
+                                    {
+                                        "id": cid,
+                                        "object": "chat.completion.chunk",
+                                        "created": created,
+                                        "model": model,
+                                        "choices": [],
+                                        "usage": usage(end),
+                                    }
+                                )
+                        else:
+                            yield sse(entry_error(end).body())
             except ApiError as exc:
                 ended = True
                 yield sse(exc.body())

@@ -10,6 +10,7 @@ gateway, nothing repeated, nothing skipped. What a create body may hold is read 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs
@@ -174,9 +175,12 @@ class Responses:
             yield sse(ev, event=ev["type"])
         try:
             # Not attached for background responses: they must not be cancelled by the detach timeout.
-            async for batch in self.api.follow(grant, caller.owner, id, attached=not background):
-                for ev in events.feed(batch):
-                    yield sse(ev, event=ev["type"])
+            follow = self.api.follow(grant, caller.owner, id, attached=not background)
+            # Closed with this body even if it stops at a yield (aclosing: see openai_responses_ws).
+            async with contextlib.aclosing(follow) as log:
+                async for batch in log:
+                    for ev in events.feed(batch):
+                        yield sse(ev, event=ev["type"])
         except NotABoundary as exc:
             yield _error(after or 0, "resume_failed", str(exc), "starting_after")
         except ApiError as exc:

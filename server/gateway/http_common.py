@@ -116,6 +116,14 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, param=param, code=code or "invalid_request_error")
 
 
+def optional_bool(body: dict[str, Any], key: str) -> bool | None:
+    """A boolean field of a body or event: None when absent (or null), 400 naming it when not a boolean."""
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"{key}: expected a boolean", param=key)
+    return v
+
+
 def api_error(exc: ProtocolError) -> ApiError:
     """A refusal of the shared submit path (submit.py), in the HTTP API's terms (SPEC.md §15.6)."""
     if exc.code == ErrorCode.IDEMPOTENCY_CONFLICT:

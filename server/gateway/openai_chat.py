@@ -25,6 +25,7 @@ from server.gateway.http_common import (
     check_metadata,
     entry_error,
     json_response,
+    optional_bool,
     prompt_cache_key,
     sse,
     text_content,
@@ -102,9 +103,7 @@ class ChatCompletions:
         check_fields(body, SUPPORTED, NEUTRAL)
         model = api.check_model(body.get("model"))
         messages = chat_messages(body.get("messages"))
-        stream = body.get("stream")
-        if stream is not None and not isinstance(stream, bool):
-            raise bad("stream: expected a boolean", param="stream")
+        stream = optional_bool(body, "stream")
         include_usage = False
         opts = body.get("stream_options")
         if opts is not None:

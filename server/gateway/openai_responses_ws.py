@@ -34,7 +34,7 @@ from websockets.exceptions import ConnectionClosed
 
 from protocol.codec import json_error
 from server.gateway.admission import Grant, task_holding
-from server.gateway.http_common import ApiError, Caller, HttpCore, bad, loads
+from server.gateway.http_common import ApiError, Caller, HttpCore, bad, loads, optional_bool
 from server.gateway.ingress import pace, peer_address
 from server.gateway.responses_events import (
     PREFIX,
@@ -115,16 +115,11 @@ class ResponsesSocket:
 
     async def _create(self, event: dict[str, Any], lane: Lane) -> None:
         body = {k: v for k, v in event.items() if k not in ("type", "stream_id", "generate", "stream")}
-        generate = event.get("generate")
-        generate = True if generate is None else generate  # null is absent, as for every field
-        if not isinstance(generate, bool):
-            raise bad("generate: expected a boolean", param="generate")
-        for key in ("stream", "background"):  # typed as over HTTP before their WebSocket meaning
-            if event.get(key) is not None and not isinstance(event.get(key), bool):
-                raise bad(f"{key}: expected a boolean", param=key)
-        if event.get("stream") is False:
+        generate = optional_bool(event, "generate") is not False  # absent or null: generate
+        # stream and background are typed as over HTTP before their WebSocket meaning is checked.
+        if optional_bool(event, "stream") is False:
             raise bad("stream: a WebSocket response is always streamed (leave stream out)", param="stream")
-        if body.get("background"):
+        if optional_bool(event, "background"):
             raise bad("background: not supported over WebSocket (use POST /v1/responses)", "background")
         body.pop("background", None)
         self._check_lane_free(lane)

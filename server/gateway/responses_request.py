@@ -18,6 +18,7 @@ from server.gateway.http_common import (
     bad,
     check_fields,
     check_metadata,
+    optional_bool,
     prompt_cache_key,
     text_content,
 )
@@ -142,12 +143,7 @@ async def plan_create(
     if body.get("input") is None:
         raise bad("input: required (a string or an array of messages)", param="input")
     new = input_messages(body.get("input"))
-    flags = {}
-    for key in ("stream", "background", "store"):
-        v = body.get(key)
-        if v is not None and not isinstance(v, bool):
-            raise bad(f"{key}: expected a boolean", param=key)
-        flags[key] = v
+    flags = {key: optional_bool(body, key) for key in ("stream", "background", "store")}
     stream, background = bool(flags["stream"]), bool(flags["background"])
     if background and flags["store"] is False:
         raise bad("background: needs store (a background response is kept to be retrieved)", "store")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
+
 
 def _glibc_call(name: str, *args: int) -> None:
     """Call one of glibc's malloc tuning functions; elsewhere (not glibc), nothing."""
@@ -29,9 +31,7 @@ def return_freed_memory_to_the_os() -> None:
     again. In ``tokenwire serve`` that cost
     39% of its tokens/s (2026-12-05, a 2-core EPYC, the e2e workload over HTTP, alternated: 266.7 / 270.2
     with it against 436.2 / 442.0 without)."""
-    m_mmap_threshold, m_trim_threshold = -3, -1  # mallopt parameters, from glibc's malloc.h
-    _glibc_call("mallopt", m_mmap_threshold, 256 * 1024)
-    _glibc_call("mallopt", m_trim_threshold, 1 << 20)
+    _fixed_thresholds(mmap_bytes=256 * 1024, trim_bytes=1 << 20)
 
 
 def keep_freed_memory_for_the_engine() -> None:
@@ -53,9 +53,13 @@ def keep_freed_memory_for_the_engine() -> None:
     the dynamic threshold and went back to the OS when freed. The cost is memory the process keeps
     rather than faults in again: at most 64 MiB free at the top of the main heap, and each engine-side
     thread arena at its largest step. Elsewhere (not glibc) this does nothing."""
-    m_mmap_threshold, m_trim_threshold = -3, -1  # mallopt parameters, from glibc's malloc.h
-    _glibc_call("mallopt", m_mmap_threshold, 32 << 20)
-    _glibc_call("mallopt", m_trim_threshold, 64 << 20)
+    _fixed_thresholds(mmap_bytes=32 << 20, trim_bytes=64 << 20)
+
+
+def _fixed_thresholds(*, mmap_bytes: int, trim_bytes: int) -> None:
+    # Setting a threshold turns glibc's dynamic thresholds off (mallopt(3)).
+    _glibc_call("mallopt", M_MMAP_THRESHOLD, mmap_bytes)
+    _glibc_call("mallopt", M_TRIM_THRESHOLD, trim_bytes)
 
 
 def trim_heap() -> None:

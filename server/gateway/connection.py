@@ -42,6 +42,7 @@ from protocol import (
 )
 from protocol.connection import ServerConnection
 from server import metrics
+from server.gateway import egress
 from server.gateway.admission import Ask, Grant, Kind, task_holding
 from server.gateway.auth import authenticate_user
 from server.gateway.core import GatewayCore
@@ -151,6 +152,7 @@ class Connection:
             # the connection (and the turns' content) until a full collection.
             self._turn_chain = None
             self.limits.close()
+            await egress.drain(self.ws)  # what the client sent before it closed, left unread
 
     async def _close(self, code: int, reason: str) -> None:
         """Close with ``code``, dropping unread whatever the client sent after the frame that closed it
@@ -176,20 +178,11 @@ class Connection:
     async def _flush(self) -> None:
         async with self._send_lock:
             for data in self.proto.data_to_send():
-                try:
-                    # A client that stops reading fills the socket buffers and blocks this send; waiting
-                    # forever would pile its deltas up in memory. Close it instead: its requests run on
-                    # and it can resume them after reconnecting.
-                    # asyncio.timeout, not wait_for: wait_for runs the send as a task of its own, and
-                    # when the send fails that task's exception, whose traceback holds wait_for's frame,
-                    # which holds the task, is a reference cycle keeping the closed connection (and its
-                    # last frames read) until a full collection.
-                    async with asyncio.timeout(self.core.settings.slow_reader_timeout_s):
-                        await self.ws.send(data)
-                except TimeoutError:
-                    self.log.warning("connection.slow_reader_closed")
-                    self.ws.transport.abort()
-                    raise ConnectionClosed(None, None) from None
+                # A client that stops reading is closed after slow_reader_timeout_s (its requests run on
+                # and it can resume them); a socket already closing fails at once (egress.py).
+                await egress.send(
+                    self.ws, data, self.core.settings.slow_reader_timeout_s, self.log, "connection"
+                )
 
     async def _send(self, frame: ServerFrame) -> None:
         self.proto.send(frame)

@@ -33,6 +33,7 @@ from websockets.asyncio.server import ServerConnection as WebSocket
 from websockets.exceptions import ConnectionClosed
 
 from protocol.codec import json_error
+from server.gateway import egress
 from server.gateway.admission import Grant, task_holding
 from server.gateway.http_common import ApiError, Caller, HttpCore, bad, loads, optional_bool
 from server.gateway.ingress import pace, peer_address
@@ -88,6 +89,7 @@ class ResponsesSocket:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.lanes.clear()
             self.limits.close()
+            await egress.drain(self.ws)  # what the client sent before it closed, left unread
 
     async def _event(self, message: str | bytes) -> None:
         lane: Lane = None
@@ -259,15 +261,9 @@ class ResponsesSocket:
 
     async def _send(self, event: dict[str, Any]) -> None:
         data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-        try:
-            # A client that stops reading must not pile its events up here: close it instead (its
-            # responses run on and it can resume them).
-            async with asyncio.timeout(self.core.settings.slow_reader_timeout_s):  # see connection.py
-                await self.ws.send(data)
-        except TimeoutError:
-            self.log.warning("responses_ws.slow_reader_closed")
-            self.ws.transport.abort()
-            raise ConnectionClosed(None, None) from None
+        # A client that stops reading must not pile its events up here: it is closed (its responses run
+        # on and it can resume them); a socket already closing fails at once (egress.py).
+        await egress.send(self.ws, data, self.core.settings.slow_reader_timeout_s, self.log, "responses_ws")
 
     async def _error(self, exc: ApiError, lane: Lane) -> None:
         """An ``error`` event in OpenAI's WebSocket shape; the connection stays usable."""

@@ -57,6 +57,7 @@ LAYERS: dict[str, int] = {
     "static": 0,
     "ui_config": 0,
     "ingress": 0,
+    "egress": 0,
     "admission": 1,
     "degradation": 1,
     "streams": 2,

@@ -1,0 +1,68 @@
+"""Writing to a client's WebSocket, for both WebSocket doors (/v1/ws and the Responses WebSocket).
+
+Two ways a send can hold a connection long after its client is gone, and what this module does instead:
+
+* **A client that stops reading** fills the socket buffers and blocks the send. Waiting for ever would pile
+  its frames up in memory: after ``slow_reader_timeout_s`` the connection is aborted (its requests run on;
+  the client can resume them).
+* **A client that closed** (its close frame was read) while the door had frames to send: websockets'
+  ``send`` then waits for the TCP connection to end, up to its close timeout (10 s). But the server reads
+  only two frames ahead of the door (``max_queue=2``, server.py), so when the client sent a frame or two
+  before its close, websockets has stopped reading and cannot see the end it waits for, while the door,
+  their only reader, waits in ``send``. So :func:`send` fails at once on a socket that is not open, and the
+  door, once it stops, calls :func:`drain`: the frames left unread are dropped, websockets reads on, and
+  the connection ends as soon as the client's does. Before, each such close held the connection, and the
+  streams and grants of its requests, for 10 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import structlog
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
+
+# How long a door waits for a closing connection to end once it stops: the client's close frame or TCP
+# close is normally already there, so this only bounds a client that closes and then never lets go.
+CLOSE_TIMEOUT_S = 2.0
+
+
+async def send(
+    ws: ServerConnection,
+    data: str | bytes,
+    slow_reader_timeout_s: float,
+    log: structlog.BoundLogger,
+    door: str,
+) -> None:
+    """Send one frame. Raises ConnectionClosed at once when the socket is closing or closed, and after
+    ``slow_reader_timeout_s`` when the client does not read (the connection is then aborted, and
+    ``{door}.slow_reader_closed`` logged)."""
+    if ws.state is not State.OPEN:
+        raise ConnectionClosed(ws.protocol.close_rcvd, ws.protocol.close_sent)
+    try:
+        # asyncio.timeout, not wait_for: wait_for runs the send as a task of its own, and when the send
+        # fails that task's exception, whose traceback holds wait_for's frame, which holds the task, is a
+        # reference cycle keeping the closed connection (and its last frames read) until a full collection.
+        async with asyncio.timeout(slow_reader_timeout_s):
+            await ws.send(data)
+    except TimeoutError:
+        log.warning(f"{door}.slow_reader_closed")
+        ws.transport.abort()
+        raise ConnectionClosed(None, None) from None
+
+
+async def drain(ws: ServerConnection) -> None:
+    """Drop what the client sent and the door did not read, until the connection ends (at most
+    CLOSE_TIMEOUT_S, after which websockets' own close gives up as soon): for a door that stopped
+    reading, on a connection that is closing."""
+    if ws.state is State.OPEN:
+        return  # the door returned on its own: websockets closes it, with its full handshake
+    if ws.close_timeout is None or ws.close_timeout > CLOSE_TIMEOUT_S:
+        ws.close_timeout = CLOSE_TIMEOUT_S
+    with contextlib.suppress(ConnectionClosed, TimeoutError):
+        async with asyncio.timeout(CLOSE_TIMEOUT_S):
+            async for _ in ws:
+                pass

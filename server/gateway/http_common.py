@@ -10,12 +10,13 @@ limits as the owner's WebSocket chats and resumes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import re
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ from server.gateway.http_conn import HttpRequest, HttpResponse
 from server.gateway.models import DEFAULT_ALIAS
 from server.gateway.streams import batches
 from server.gateway.submit import ChatRequest, Submitted
-from server.store.logs import LogEntry
+from server.store.logs import LogEntry, Subscription
 from server.store.requests import RequestView
 
 log = structlog.get_logger(__name__)
@@ -392,24 +393,21 @@ class HttpCore:
         log.info("http.request_accepted", request_id=chat.id, outcome=sub.result.outcome, api=kind)
         return sub
 
+    @contextlib.asynccontextmanager
     async def follow(
         self, grant: Grant, owner: str, id: str, offset: int = 0, *, attached: bool = True
-    ) -> AsyncGenerator[list[LogEntry], None]:
-        """The request's log from token ``offset``: batches of entries as they come (replay, then live),
-        the last batch ending with the end entry; releases ``grant`` when it ends. ``attached``: while
-        this runs, the request counts as having a client (the detach timeout does not run). Raises
-        ApiError(resume_failed) when ``offset`` is not a boundary of the log."""
+    ) -> AsyncIterator[AsyncIterator[list[LogEntry]]]:
+        """For as long as the block runs, the request's log from token ``offset``: batches of entries as
+        they come (replay, then live), the last batch ending with the end entry, whose iteration raises
+        ApiError(resume_failed) when ``offset`` is not a boundary of the log. ``attached``: meanwhile the
+        request counts as having a client (the detach timeout does not run). Releases ``grant`` when the
+        block ends.
+
+        A context manager, not an async generator, so that the subscription ends with the block however
+        it ends: a door that stops at a yield of a generator (its client gone mid-send) left it
+        suspended, subscribed and counted as attached until it was collected."""
         async with self.core.streams.follow(grant, owner, id, offset, attached=attached) as sub:
-            try:
-                async for batch in batches(sub, id, offset):
-                    yield batch
-            except ProtocolError as exc:
-                raise ApiError(
-                    400,
-                    f"offset {offset} is not at a delta boundary of this response",
-                    param="starting_after",
-                    code=exc.code.value,
-                ) from None
+            yield _api_batches(sub, id, offset)
 
     async def view(self, owner: str, id: str) -> RequestView | None:
         return await self.core.store.view(owner, id)
@@ -423,6 +421,20 @@ class HttpCore:
             await asyncio.shield(self.core.store.cancel(owner, id))
         except Exception as exc:
             log.warning("http.cancel_failed", request_id=id, error=str(exc))
+
+
+async def _api_batches(sub: Subscription, id: str, offset: int) -> AsyncIterator[list[LogEntry]]:
+    """streams.batches, with a resume point off the log's boundaries as the HTTP error it is."""
+    try:
+        async for batch in batches(sub, id, offset):
+            yield batch
+    except ProtocolError as exc:
+        raise ApiError(
+            400,
+            f"offset {offset} is not at a delta boundary of this response",
+            param="starting_after",
+            code=exc.code.value,
+        ) from None
 
 
 def _no_constant(name: str) -> Any:

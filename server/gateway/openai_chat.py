@@ -9,7 +9,6 @@ Anything tokenwire does not do gets a 400 naming the field, never silence.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -167,10 +166,11 @@ class ChatCompletions:
         text: list[str] = []
         end: LogEntry | None = None
         try:
-            async for batch in self.api.follow(grant, caller.owner, id):
-                text.extend(e.text for e in batch if e.finish is None)
-                if batch[-1].finish is not None:
-                    end = batch[-1]
+            async with self.api.follow(grant, caller.owner, id) as log:
+                async for batch in log:
+                    text.extend(e.text for e in batch if e.finish is None)
+                    if batch[-1].finish is not None:
+                        end = batch[-1]
         except asyncio.CancelledError:
             if not keyed:  # nothing can ever re-attach to it: stop generating
                 await self.api.cancel_quietly(caller.owner, id)
@@ -223,8 +223,7 @@ class ChatCompletions:
         try:
             yield chunk({"role": "assistant", "content": ""})
             try:
-                # Closed with this body even if it stops at a yield (aclosing: see openai_responses_ws).
-                async with contextlib.aclosing(self.api.follow(grant, caller.owner, id)) as log:
+                async with self.api.follow(grant, caller.owner, id) as log:
                     async for batch in log:
                         text = "".join(e.text for e in batch if e.finish is None)
                         if text:

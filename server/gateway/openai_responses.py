@@ -10,7 +10,6 @@ gateway, nothing repeated, nothing skipped. What a create body may hold is read 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs
@@ -84,8 +83,9 @@ class Responses:
         return json_response(self._object(rid, view))
 
     async def _wait(self, grant: Grant, caller: Caller, id: str) -> None:
-        async for _ in self.api.follow(grant, caller.owner, id):
-            pass
+        async with self.api.follow(grant, caller.owner, id) as log:
+            async for _ in log:
+                pass
 
     def _object(self, rid: str, view: RequestView) -> dict[str, Any]:
         info = view.info
@@ -175,9 +175,7 @@ class Responses:
             yield sse(ev, event=ev["type"])
         try:
             # Not attached for background responses: they must not be cancelled by the detach timeout.
-            follow = self.api.follow(grant, caller.owner, id, attached=not background)
-            # Closed with this body even if it stops at a yield (aclosing: see openai_responses_ws).
-            async with contextlib.aclosing(follow) as log:
+            async with self.api.follow(grant, caller.owner, id, attached=not background) as log:
                 async for batch in log:
                     for ev in events.feed(batch):
                         yield sse(ev, event=ev["type"])

@@ -200,11 +200,7 @@ class ResponsesSocket:
             )
             for ev in events.opening():
                 await self._send(ev)
-            # Closed here if a send fails or this task is cancelled while the follower waits at its
-            # yield (else it stays suspended, subscribed and attached, until it is collected).
-            async with contextlib.aclosing(
-                self.api.follow(grant, self.caller.owner, rid[len(PREFIX) :])
-            ) as log:
+            async with self.api.follow(grant, self.caller.owner, rid[len(PREFIX) :]) as log:
                 async for batch in log:
                     for ev in events.feed(batch):
                         await self._send(ev)

@@ -19,11 +19,13 @@ from server.gateway.admission import Grant
 from server.gateway.http_common import SSE_HEADERS, ApiError, Caller, HttpCore, bad, json_response, sse
 from server.gateway.http_conn import HttpRequest, HttpResponse
 from server.gateway.responses_events import (
+    MAX_SEQ_DIGITS,
     PREFIX,
     NotABoundary,
     ResponseEvents,
     ResumePoint,
     error_of,
+    parse_seq,
     response_object,
     resume_point,
     status_of,
@@ -112,12 +114,12 @@ class Responses:
             raise bad("stream: true or false", param="stream")
         after: int | None = None
         if "starting_after" in query:
-            raw = query["starting_after"][-1]
-            if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:  # isdigit() alone: U+00B2, U+0661...
+            after = parse_seq(query["starting_after"][-1])
+            if after is None:
                 raise bad(
-                    "starting_after: a non-negative integer of at most 12 digits", param="starting_after"
+                    f"starting_after: a non-negative integer of at most {MAX_SEQ_DIGITS} digits",
+                    param="starting_after",
                 )
-            after = int(raw)
         # A retrieve reads the whole log: admitted as a resume before the store is asked anything.
         grant = await self.api.admit(caller, rid[len(PREFIX) :], kind="resume", stream=stream == "true")
         try:

@@ -41,6 +41,7 @@ from server.gateway.responses_events import (
     PREFIX,
     NotABoundary,
     ResponseEvents,
+    parse_seq,
     response_object,
     resume_point,
 )
@@ -225,13 +226,11 @@ class ResponsesSocket:
             rid, _, raw = point.rpartition(":")
             lane: Lane = None
             try:
-                # ASCII digits only: str.isdigit() also takes U+00B2, which int() refuses, and other
-                # scripts' digits.
-                if not rid or not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
+                after = parse_seq(raw)  # before the admission below: nothing is held if it fails
+                if not rid or after is None:
                     raise bad(
                         f"{RESUME_PARAM}: {point[:80]!r} is not RESPONSE_ID:SEQUENCE_NUMBER", RESUME_PARAM
                     )
-                after = int(raw)  # before the admission below: nothing is held if it could fail
                 # Admitted before the response is looked up: the lookup reads its whole log.
                 grant = await self.api.admit(
                     self.caller, rid[len(PREFIX) :][:64], kind="resume", conn=self.limits

@@ -63,6 +63,18 @@ class ResumePoint:
     closing: int = 0
 
 
+MAX_SEQ_DIGITS = 12
+
+
+def parse_seq(raw: str) -> int | None:
+    """A sequence number as a client writes it in a query (``starting_after``, ``tw_resume``), or None:
+    ASCII digits only (str.isdigit() alone also takes U+00B2, which int() refuses, and other scripts'
+    digits, which it reads), at most MAX_SEQ_DIGITS of them."""
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > MAX_SEQ_DIGITS:
+        return None
+    return int(raw)
+
+
 def resume_point(after: int | None, tokens: int, ended: bool, ok: bool = True) -> ResumePoint:
     """The resume point after sequence number ``after`` (None: from the start) of a response that has
     ``tokens`` tokens so far (``ended``: and no more; ``ok``: it ended normally). Raises ValueError for a

@@ -17,6 +17,7 @@ from server.gateway.responses_events import (
     ResumePoint,
     delta_seq,
     last_seq,
+    parse_seq,
     resume_point,
 )
 from server.store.logs import LogEntry
@@ -108,3 +109,15 @@ def test_numbers_the_response_never_had_are_refused() -> None:
         resume_point(last_seq(5, True) + 1, 5, ended=True)
     with pytest.raises(ValueError):
         resume_point(last_seq(5, False) + 1, 5, ended=True, ok=False)
+
+
+@given(st.text(max_size=14))
+def test_a_sequence_number_in_a_query_is_ascii_digits_or_nothing(raw: str) -> None:
+    # str.isdigit() takes U+00B2 (int() refuses it) and other scripts' digits (int() reads U+0661 as 1).
+    ok = raw != "" and len(raw) <= 12 and all(c in "0123456789" for c in raw)
+    assert parse_seq(raw) == (int(raw) if ok else None)
+
+
+@pytest.mark.parametrize("raw", ["\u00b2", "\u0661", "1\u00b2", "+1", "-1", " 1", "1_000", "1" * 13])
+def test_lookalike_numbers_are_no_sequence_number(raw: str) -> None:
+    assert parse_seq(raw) is None

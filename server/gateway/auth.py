@@ -12,6 +12,22 @@ from protocol.codec import unicode_only
 # a name maps through this table; anything else weighs 1. Documented in protocol/SPEC.md (Authentication).
 TIER_WEIGHTS = {"free": 1.0, "standard": 1.0, "plus": 2.0, "pro": 4.0, "enterprise": 8.0}
 
+# Clock skew between a token's issuer and this server: exp, nbf and iat are checked this loosely (an
+# issuer whose clock ran one second ahead had its fresh tokens refused as "not yet valid").
+LEEWAY_S = 60
+
+# The owners of a server with auth off are named "anon:<session>" (store/sessions.py) and "http:<key
+# hash>" or "http:anonymous" (http_common.py). A store shared by gateways with auth off and on (an operator
+# turning auth on, a mixed cluster) must not let a JWT whose sub spells one of those names reach that
+# owner's requests and sessions: such a sub is the user "jwt:<sub>", as is one that starts with "jwt:",
+# so that no two subs name one user. Every other sub is the user as it is.
+RESERVED_PREFIXES = ("anon:", "http:", "jwt:")
+
+
+def user_of(sub: str) -> str:
+    """The user (the owner of its requests) that a JWT's ``sub`` names; see RESERVED_PREFIXES."""
+    return "jwt:" + sub if sub.startswith(RESERVED_PREFIXES) else sub
+
 
 def tier_weight(tier: object) -> float:
     """The fair-share weight for a JWT ``tier`` claim (1.0 when absent or not understood)."""
@@ -37,7 +53,15 @@ def authenticate_user(token: str | None, secret: str | None) -> tuple[str | None
     if not token:
         raise ProtocolError(ErrorCode.UNAUTHORIZED, "hello.token: a JWT is required on this server")
     try:
-        claims = jwt.decode(token, secret, algorithms=["HS256"], options={"require": ["sub", "exp"]})
+        # No audience of its own: the secret is the deployment's, so an aud claim (many issuers add one)
+        # is not checked, nor iss.
+        claims = jwt.decode(
+            token,
+            secret,
+            algorithms=["HS256"],
+            options={"require": ["sub", "exp"], "verify_aud": False},
+            leeway=LEEWAY_S,
+        )
     except jwt.ExpiredSignatureError:
         raise ProtocolError(ErrorCode.UNAUTHORIZED, "hello.token: the JWT has expired") from None
     except jwt.InvalidTokenError as exc:
@@ -54,7 +78,7 @@ def authenticate_user(token: str | None, secret: str | None) -> tuple[str | None
         raise ProtocolError(
             ErrorCode.UNAUTHORIZED, "hello.token: sub must be a non-empty Unicode string without NUL"
         )
-    return sub, tier_weight(claims.get("tier"))
+    return user_of(sub), tier_weight(claims.get("tier"))
 
 
 def _unicode(text: str) -> bool:

@@ -190,8 +190,11 @@ class Gateway:
         return handler(conn, request)
 
     def _responses_handshake(self, conn: ServerConnection, request: Request) -> Response | None:
-        """The Bearer token of a Responses WebSocket, checked before the upgrade (as on HTTP: 401)."""
+        """The Bearer token of a Responses WebSocket, checked before the upgrade (as on HTTP: 401, and 400
+        for more than one Authorization header, SPEC §15.1)."""
         try:
+            if len(request.headers.get_all("Authorization")) > 1:
+                raise ApiError(400, "more than one Authorization header")
             caller_of(request.headers.get("Authorization", ""), self.settings.auth_secret)
         except ApiError as exc:
             answer = exc.response()

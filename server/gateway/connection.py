@@ -136,6 +136,8 @@ class Connection:
                 if self.proto.close_code is not None:
                     await self._close(self.proto.close_code, self.proto.close_reason)
                     break
+                if egress.closing(self.ws):
+                    break  # the client closed: what it sent before is not served (egress.py)
         except ConnectionClosed:
             pass
         finally:

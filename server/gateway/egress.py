@@ -9,10 +9,16 @@ Two ways a send can hold a connection long after its client is gone, and what th
   ``send`` then waits for the TCP connection to end, up to its close timeout (10 s). But the server reads
   only two frames ahead of the door (``max_queue=2``, server.py), so when the client sent a frame or two
   before its close, websockets has stopped reading and cannot see the end it waits for, while the door,
-  their only reader, waits in ``send``. So :func:`send` fails at once on a socket that is not open, and the
-  door, once it stops, calls :func:`drain`: the frames left unread are dropped, websockets reads on, and
-  the connection ends as soon as the client's does. Before, each such close held the connection, and the
-  streams and grants of its requests, for 10 s.
+  their only reader, waits in ``send``. So :func:`send` fails at once on a socket that is not open, a door
+  stops reading once its socket is closing (:func:`closing`: nobody is there to answer, and a read would
+  wait for a TCP close only the client can send), and the door, once it stops, calls :func:`drain`: the
+  frames left unread are dropped, websockets reads on, and the connection ends as soon as the client's
+  does, or is aborted CLOSE_TIMEOUT_S later if the client never closes its end. Before, each such close
+  held the connection, and the streams and grants of its requests, for 10 s (and for ever on the
+  Responses WebSocket once it had sent its close and kept the TCP connection open).
+
+A socket whose closing handshake started while its door was waiting for a frame never reaches
+:func:`drain`: the keepalive sweep aborts it once its close deadline has passed (keepalive.py).
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ async def send(
     ``slow_reader_timeout_s`` when the client does not read (the connection is then aborted, and
     ``{door}.slow_reader_closed`` logged)."""
     if ws.state is not State.OPEN:
-        raise ConnectionClosed(ws.protocol.close_rcvd, ws.protocol.close_sent)
+        # No codes: the doors only stop on it (and websockets asserts on some mixes of them).
+        raise ConnectionClosed(None, None)
     try:
         # asyncio.timeout, not wait_for: wait_for runs the send as a task of its own, and when the send
         # fails that task's exception, whose traceback holds wait_for's frame, which holds the task, is a
@@ -54,15 +61,20 @@ async def send(
         raise ConnectionClosed(None, None) from None
 
 
+def closing(ws: ServerConnection) -> bool:
+    """The closing handshake has started (or the connection is gone): a door stops reading."""
+    return ws.state is not State.OPEN
+
+
 async def drain(ws: ServerConnection) -> None:
-    """Drop what the client sent and the door did not read, until the connection ends (at most
-    CLOSE_TIMEOUT_S, after which websockets' own close gives up as soon): for a door that stopped
-    reading, on a connection that is closing."""
+    """Drop what the client sent and the door did not read, until the connection ends; abort it if it has
+    not after CLOSE_TIMEOUT_S (websockets' close deadline was fixed, at 10 s, when the closing began). For
+    a door that stopped reading, on a connection that is closing; nothing on one still open."""
     if ws.state is State.OPEN:
         return  # the door returned on its own: websockets closes it, with its full handshake
-    if ws.close_timeout is None or ws.close_timeout > CLOSE_TIMEOUT_S:
-        ws.close_timeout = CLOSE_TIMEOUT_S
     with contextlib.suppress(ConnectionClosed, TimeoutError):
         async with asyncio.timeout(CLOSE_TIMEOUT_S):
             async for _ in ws:
                 pass
+    if ws.state is not State.CLOSED:
+        ws.transport.abort()

@@ -16,7 +16,7 @@ import json
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -407,7 +407,11 @@ class HttpCore:
         it ends: a door that stops at a yield of a generator (its client gone mid-send) left it
         suspended, subscribed and counted as attached until it was collected."""
         async with self.core.streams.follow(grant, owner, id, offset, attached=attached) as sub:
-            yield _api_batches(sub, id, offset)
+            entries = _api_batches(sub, id, offset)
+            try:
+                yield entries
+            finally:
+                await entries.aclose()  # not left suspended on a subscription that has ended
 
     async def view(self, owner: str, id: str) -> RequestView | None:
         return await self.core.store.view(owner, id)
@@ -423,7 +427,7 @@ class HttpCore:
             log.warning("http.cancel_failed", request_id=id, error=str(exc))
 
 
-async def _api_batches(sub: Subscription, id: str, offset: int) -> AsyncIterator[list[LogEntry]]:
+async def _api_batches(sub: Subscription, id: str, offset: int) -> AsyncGenerator[list[LogEntry], None]:
     """streams.batches, with a resume point off the log's boundaries as the HTTP error it is."""
     try:
         async for batch in batches(sub, id, offset):

@@ -80,7 +80,10 @@ async def sweep(
 
 
 async def sweep_once(connections: Iterable[GatewayWebSocket], interval: float, pong_within_s: float) -> int:
-    """One sweep: a ping task for each open connection quiet for ``interval`` that has none; how many."""
+    """One sweep: a ping task for each open connection quiet for ``interval`` that has none; how many.
+    And a connection still closing past its close deadline is aborted: websockets enforces that deadline
+    only in a send or a close, so a peer that sent its close frame but never closes its end of the TCP
+    connection, while its door waits for a frame, was held for ever."""
     loop = asyncio.get_running_loop()
     started = 0
     quiet_since = loop.time() - interval  # heard from at or before this: quiet for the interval
@@ -88,7 +91,11 @@ async def sweep_once(connections: Iterable[GatewayWebSocket], interval: float, p
         if i and i % SWEEP_CHUNK == 0:
             await asyncio.sleep(0)
             quiet_since = loop.time() - interval
-        if ws.heard_at <= quiet_since and ws.keepalive_task is None and ws.protocol.state is State.OPEN:
+        state = ws.protocol.state
+        if state is State.OPEN and ws.heard_at <= quiet_since and ws.keepalive_task is None:
             ws.keepalive_task = loop.create_task(ws.ping_once(pong_within_s))
             started += 1
+        elif state is State.CLOSING and ws.close_deadline is not None and loop.time() > ws.close_deadline:
+            log.info("keepalive.closing_aborted")
+            ws.transport.abort()
     return started

@@ -79,6 +79,8 @@ class ResponsesSocket:
                     break
                 await self._event(message)
                 self.limits.ingress.done()
+                if egress.closing(self.ws):
+                    break  # the client closed: what it sent before is not served (egress.py)
         except ConnectionClosed:
             pass
         finally:

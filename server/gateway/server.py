@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from http import HTTPStatus
 from typing import cast
@@ -32,7 +33,7 @@ from server.gateway.connection import Connection
 from server.gateway.core import GatewayCore
 from server.gateway.front_door import RESPONSES_PATH, front_door_factory
 from server.gateway.http_api import HttpApi
-from server.gateway.http_common import ApiError, caller_of
+from server.gateway.http_common import ApiError, Caller, caller_of
 from server.gateway.http_conn import ConnectionCaps
 from server.gateway.ingress import peer_address
 from server.gateway.openai_responses_ws import ResponsesSocket
@@ -95,6 +96,9 @@ class Gateway:
         self.ready = ready
         self.connections: set[Connection] = set()
         self.response_sockets: set[ResponsesSocket] = set()  # OpenAI's Responses WebSocket mode
+        # The caller each Responses WebSocket handshake authenticated, for its handler: checking the JWT
+        # again there could find it expired in between (an uncaught 401 in the handler, a 1011).
+        self._callers: weakref.WeakKeyDictionary[object, Caller] = weakref.WeakKeyDictionary()
         self._server: Server | None = None
         self.routes = self._routes()
         self.metrics_server: MetricsServer | None = None
@@ -195,7 +199,9 @@ class Gateway:
         try:
             if len(request.headers.get_all("Authorization")) > 1:
                 raise ApiError(400, "more than one Authorization header")
-            caller_of(request.headers.get("Authorization", ""), self.settings.auth_secret)
+            self._callers[conn] = caller_of(
+                request.headers.get("Authorization", ""), self.settings.auth_secret
+            )
         except ApiError as exc:
             answer = exc.response()
             headers = Headers([*answer.headers, ("Content-Length", str(len(answer.body)))])
@@ -269,7 +275,9 @@ class Gateway:
 
     async def _handle_responses(self, ws: ServerConnection) -> None:
         assert ws.request is not None
-        caller = caller_of(ws.request.headers.get("Authorization", ""), self.settings.auth_secret)
+        caller = self._callers.pop(ws, None)
+        if caller is None:  # every upgrade on this path passed the handshake's check; defensive
+            caller = caller_of(ws.request.headers.get("Authorization", ""), self.settings.auth_secret)
         sock = ResponsesSocket(self.http.http, ws, caller)
         self.response_sockets.add(sock)
         metrics.CONNECTIONS.inc()

@@ -90,11 +90,24 @@ async def test_the_responses_websocket_is_pinged_when_quiet_too(
 class _Fake:
     """What sweep_once reads of a connection, and the ping it starts."""
 
-    def __init__(self, heard_ago: float, state: State = State.OPEN, pinging: bool = False) -> None:
-        self.heard_at = asyncio.get_running_loop().time() - heard_ago
+    def __init__(
+        self,
+        heard_ago: float,
+        state: State = State.OPEN,
+        pinging: bool = False,
+        deadline_in: float | None = None,
+    ) -> None:
+        now = asyncio.get_running_loop().time()
+        self.heard_at = now - heard_ago
         self.protocol = SimpleNamespace(state=state)
         self.keepalive_task: object = object() if pinging else None
+        self.close_deadline = None if deadline_in is None else now + deadline_in
+        self.aborted = 0
+        self.transport = SimpleNamespace(abort=self._abort)
         self.pinged = 0
+
+    def _abort(self) -> None:
+        self.aborted += 1
 
     async def ping_once(self, pong_within_s: float) -> None:
         self.pinged += 1
@@ -108,6 +121,17 @@ async def test_a_sweep_pings_only_open_quiet_connections_not_already_pinged(monk
     await asyncio.sleep(0)
     assert [c.pinged for c in conns] == [1, 0, 0, 0, 1]
     assert await keepalive.sweep_once(conns, 20, 20) == 0  # type: ignore[arg-type]  # their pings are on
+
+
+async def test_a_sweep_aborts_a_connection_still_closing_past_its_close_deadline() -> None:
+    # websockets checks the deadline only in a send or a close: a peer that sent its close frame and keeps
+    # its end of the TCP connection, while the door waits for a frame, was held for ever.
+    late = _Fake(1, State.CLOSING, deadline_in=-0.5)
+    in_time, no_deadline = _Fake(1, State.CLOSING, deadline_in=5), _Fake(1, State.CLOSING)
+    open_late = _Fake(1, deadline_in=-0.5)  # open: a deadline left from nothing it cares about
+    conns = [late, in_time, no_deadline, open_late]
+    assert await keepalive.sweep_once(conns, 20, 20) == 0  # type: ignore[arg-type]
+    assert [c.aborted for c in conns] == [1, 0, 0, 0]
 
 
 async def test_a_failing_sweep_does_not_end_the_keepalive() -> None:

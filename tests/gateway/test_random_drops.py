@@ -13,13 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgpack
 import pytest
 import redis.asyncio as aioredis
+import structlog
 import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.frames import Frame, Opcode
@@ -29,6 +33,9 @@ from protocol.codec import JSON_SUBPROTOCOL
 from server.gateway.server import GatewaySettings
 from server.store.keys import Keys
 from tests.gateway.conftest import Running, running_server
+from tests.gateway.raw_ws import BINARY, CLOSE, RawClient
+
+TEXT = 0x1
 
 KEYS = ("k-a", "k-b", "k-c")  # HTTP callers: the API key is the owner while auth is off (SPEC §15.2)
 CLIENTS = 48  # per seed, AT_ONCE at a time
@@ -223,7 +230,9 @@ def _held(server: Running) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-async def test_clients_dropped_anywhere_at_every_door_leave_nothing_held(server: Running, seed: int) -> None:
+async def test_clients_dropped_anywhere_at_every_door_leave_nothing_held(
+    server: Running, seed: int, caplog: pytest.LogCaptureFixture
+) -> None:
     rng = random.Random(seed)
     ids = await _created(server)
     gate = asyncio.Semaphore(AT_ONCE)
@@ -232,17 +241,40 @@ async def test_clients_dropped_anywhere_at_every_door_leave_nothing_held(server:
         async with gate:
             await door(server, r, ids)
 
-    await asyncio.gather(*(one(rng.choice(DOORS), random.Random(rng.random())) for _ in range(CLIENTS)))
-    deadline = time.monotonic() + 15
-    while _held(server) and time.monotonic() < deadline:  # noqa: ASYNC110 (counters, not an event)
-        await asyncio.sleep(0.05)
+    with structlog.testing.capture_logs() as events:
+        await asyncio.gather(*(one(rng.choice(DOORS), random.Random(rng.random())) for _ in range(CLIENTS)))
+        deadline = time.monotonic() + 15
+        while _held(server) and time.monotonic() < deadline:  # noqa: ASYNC110 (counters, not an event)
+            await asyncio.sleep(0.05)
     assert _held(server) == {}, f"seed {seed}"
+    # Nothing failed on the way there: no handler died (websockets logs "connection handler failed") and
+    # no door caught an internal error of its own.
+    failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    failed += [e["event"] for e in events if e.get("log_level") in ("error", "critical", "exception")]
+    assert failed == [], f"seed {seed}"
     # And the server still serves each owner a whole stream.
     async with websockets.connect(server.url, subprotocols=[Subprotocol(JSON_SUBPROTOCOL)]) as ws:
         await ws.send(json.dumps({"type": "hello", "v": 1}))
         await ws.send(json.dumps({"type": "chat", "id": "after", "content": "still there?"}))
         while (f := json.loads(await asyncio.wait_for(ws.recv(), 10)))["type"] != "done":
             assert f["type"] != "error", f
+
+
+def _frames(door: str) -> list[dict[str, Any]]:
+    if door == "/v1/ws":
+        return [{"type": "hello", "v": 1}] + [
+            {"type": "chat", "id": f"c{n}", "content": "hi"} for n in range(3)
+        ]
+    # One lane: the door itself refuses the second create while the first streams (SPEC §15.7), so it is
+    # the door, the socket's reader, that sends.
+    return [{"type": "response.create", "model": "default", "input": "hi"}] * 4
+
+
+async def _let_go_within(server: Running, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while _held(server) and time.monotonic() < deadline:  # noqa: ASYNC110 (counters, not an event)
+        await asyncio.sleep(0.05)
+    assert _held(server) == {}
 
 
 @pytest.mark.parametrize("door", ["/v1/ws", "/v1/responses"])
@@ -255,19 +287,44 @@ async def test_a_client_that_closes_right_after_sending_is_let_go_at_once(server
         ws = await websockets.connect(
             server.url, subprotocols=[Subprotocol(JSON_SUBPROTOCOL)], max_queue=None
         )
-        frames = [{"type": "hello", "v": 1}] + [
-            {"type": "chat", "id": f"c{n}", "content": "hi"} for n in range(3)
-        ]
     else:
         url = f"ws://127.0.0.1:{server.port}/v1/responses"
         ws = await websockets.connect(url, additional_headers={"Authorization": "Bearer k-a"}, max_queue=None)
-        # One lane: the door itself refuses the second create while the first streams (SPEC §15.7), so it
-        # is the door, the socket's reader, that sends.
-        frames = [{"type": "response.create", "model": "default", "input": "hi"}] * 4
-    for f in frames:
+    for f in _frames(door):
         await ws.send(json.dumps(f))
     await ws.close()
-    deadline = time.monotonic() + 6  # far below the close timeout, far above the let-go (about 0.01 s)
-    while _held(server) and time.monotonic() < deadline:  # noqa: ASYNC110 (counters, not an event)
-        await asyncio.sleep(0.05)
-    assert _held(server) == {}
+    await _let_go_within(server, 6)  # far below the close timeout, far above the let-go (about 0.01 s)
+    assert not server.gateway.connections and not server.gateway.response_sockets
+
+
+@pytest.mark.parametrize("door", ["/v1/ws", "/v1/responses"])
+async def test_a_client_that_sends_its_close_and_keeps_the_tcp_connection_is_let_go(
+    server: Running, door: str
+) -> None:
+    """As above, but the client never closes its end of the TCP connection (it reads on): the door stops
+    at the close, drops what is left, and aborts the connection egress.CLOSE_TIMEOUT_S (2 s) later. It was
+    held for the close timeout (10 s) on /v1/ws, and for ever on the Responses WebSocket."""
+    c = await RawClient.connect(server.port, path=door)
+    if door == "/v1/ws":
+        c.send(BINARY, msgpack.packb({"type": "hello", "v": 1}))
+        assert (await asyncio.wait_for(c.recv(), 10))[0] == BINARY  # welcome
+        frames = [msgpack.packb(f) for f in _frames(door)[1:]]
+        opcode = BINARY
+    else:
+        frames = [json.dumps(f).encode() for f in _frames(door)]
+        opcode = TEXT
+    for f in frames:
+        c.send(opcode, f)
+    c.send(CLOSE, struct.pack("!H", 1000))
+
+    async def read_on() -> None:
+        with contextlib.suppress(Exception):
+            while await c.reader.read(1 << 16):
+                pass
+
+    reading = asyncio.create_task(read_on())
+    try:
+        await _let_go_within(server, 6)
+    finally:
+        reading.cancel()
+        c.writer.transport.abort()

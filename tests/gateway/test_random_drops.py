@@ -18,8 +18,10 @@ import random
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import jwt
 import msgpack
 import pytest
 import redis.asyncio as aioredis
@@ -37,16 +39,48 @@ from tests.gateway.raw_ws import BINARY, CLOSE, RawClient
 
 TEXT = 0x1
 
-KEYS = ("k-a", "k-b", "k-c")  # HTTP callers: the API key is the owner while auth is off (SPEC §15.2)
+SECRET = "jwt-test-secret-of-at-least-32-bytes!"
+
+
+@dataclass(frozen=True)
+class Who:
+    """Who the clients are: ``keys``, their bearer strings (API keys, which are the owners while auth is
+    off, SPEC §15.2; or JWTs of three users, whose every connection and request is one owner's), the
+    first one's ``ids`` of responses that ended, to resume."""
+
+    keys: tuple[str, ...]
+    ids: list[str] = field(default_factory=list)
+
+    def hello(self, rng: random.Random) -> dict[str, Any]:
+        frame: dict[str, Any] = {"type": "hello", "v": 1}
+        if self.keys[0].count(".") == 2:  # a JWT: auth is on
+            frame["token"] = rng.choice(self.keys)
+        return frame
+
+
+def who(auth: bool) -> Who:
+    if not auth:
+        return Who(("k-a", "k-b", "k-c"))
+    exp = int(time.time() + 600)
+    return Who(tuple(jwt.encode({"sub": u, "exp": exp}, SECRET, algorithm="HS256") for u in ("a", "b", "c")))
+
+
 CLIENTS = 48  # per seed, AT_ONCE at a time
 AT_ONCE = 8
 
 
 @pytest.fixture
-async def server(redis: aioredis.Redis, redis_url: str, keys: Keys) -> AsyncIterator[Running]:
+def auth(request: pytest.FixtureRequest) -> bool:
+    return bool(getattr(request, "param", False))
+
+
+@pytest.fixture
+async def server(redis: aioredis.Redis, redis_url: str, keys: Keys, auth: bool) -> AsyncIterator[Running]:
     # Low per-user caps, so that a leak would also show as refusals, and replies short enough (40 words,
     # 5 ms a step) that every stream a dropped client left ends within a second.
-    st = GatewaySettings(port=0, max_streams_per_user=16, max_streams_per_connection=4)
+    st = GatewaySettings(
+        port=0, max_streams_per_user=16, max_streams_per_connection=4, auth_secret=SECRET if auth else None
+    )
     async with running_server(redis, redis_url, keys, gateway=st) as s:
         s.engine.reply_len = 40
         s.engine.step_s = 0.005
@@ -86,13 +120,13 @@ def _chat(rng: random.Random, n: int) -> dict[str, Any]:
     return frame
 
 
-async def protocol_ws(server: Running, rng: random.Random, _ids: list[str]) -> None:
+async def protocol_ws(server: Running, rng: random.Random, w: Who) -> None:
     """/v1/ws (SPEC §4): a hello, then chats (of one session, so content turns wait), repeats, resumes
     and cancels of their ids, and a drop anywhere, the hello included."""
     # max_queue None: a client that closes with a handshake reads on until it ends (websockets' own stops
     # reading once 16 frames wait unread, and its close() would then wait 10 s for the server's reply).
     ws = await websockets.connect(server.url, subprotocols=[Subprotocol(JSON_SUBPROTOCOL)], max_queue=None)
-    hello = json.dumps({"type": "hello", "v": 1})
+    hello = json.dumps(w.hello(rng))
     if rng.random() < 0.1:
         return await _drop(rng, ws, hello)
     await ws.send(hello)
@@ -146,7 +180,7 @@ async def _send_and_drop(server: Running, rng: random.Random, request: bytes) ->
         await writer.wait_closed()
 
 
-async def chat_completions(server: Running, rng: random.Random, _ids: list[str]) -> None:
+async def chat_completions(server: Running, rng: random.Random, w: Who) -> None:
     """POST /v1/chat/completions (SPEC §15.3), streamed or not, some with a shared Idempotency-Key (a
     retry that attaches to the request before it)."""
     body = {
@@ -156,27 +190,27 @@ async def chat_completions(server: Running, rng: random.Random, _ids: list[str])
         "max_tokens": rng.randrange(1, 41),
     }
     extra = f"Idempotency-Key: chat-{rng.randrange(3)}\r\n" if rng.random() < 0.3 else ""
-    await _send_and_drop(server, rng, _http("POST", "/v1/chat/completions", rng.choice(KEYS), body, extra))
+    await _send_and_drop(server, rng, _http("POST", "/v1/chat/completions", rng.choice(w.keys), body, extra))
 
 
-async def responses_http(server: Running, rng: random.Random, ids: list[str]) -> None:
+async def responses_http(server: Running, rng: random.Random, w: Who) -> None:
     """POST /v1/responses, streamed or not, in the background or not (SPEC §15.4), or a response's events
     read again from a point (GET ...?stream=true&starting_after=N, §15.5)."""
     if rng.random() < 0.3:
-        path = f"/v1/responses/{rng.choice(ids)}?stream=true&starting_after={rng.randrange(6)}"
-        return await _send_and_drop(server, rng, _http("GET", path, KEYS[0]))
+        path = f"/v1/responses/{rng.choice(w.ids)}?stream=true&starting_after={rng.randrange(6)}"
+        return await _send_and_drop(server, rng, _http("GET", path, w.keys[0]))
     body: dict[str, Any] = {"model": "default", "input": "hi", "max_output_tokens": rng.randrange(1, 41)}
     body["stream"] = rng.random() < 0.7
     if rng.random() < 0.2:
         body["background"] = True
-    await _send_and_drop(server, rng, _http("POST", "/v1/responses", rng.choice(KEYS), body))
+    await _send_and_drop(server, rng, _http("POST", "/v1/responses", rng.choice(w.keys), body))
 
 
-async def responses_ws(server: Running, rng: random.Random, ids: list[str]) -> None:
+async def responses_ws(server: Running, rng: random.Random, w: Who) -> None:
     """The Responses WebSocket (SPEC §15.7): a handshake that may resume a response (tw_resume), then
     creates (a second one while the first streams is refused), and a drop anywhere."""
-    query = f"?tw_resume={rng.choice(ids)}:{rng.randrange(6)}" if rng.random() < 0.3 else ""
-    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    query = f"?tw_resume={rng.choice(w.ids)}:{rng.randrange(6)}" if rng.random() < 0.3 else ""
+    headers = {"Authorization": f"Bearer {w.keys[0]}"}
     url = f"ws://127.0.0.1:{server.port}/v1/responses{query}"
     ws = await websockets.connect(url, additional_headers=headers, max_queue=None)
     creates = [
@@ -194,17 +228,17 @@ async def responses_ws(server: Running, rng: random.Random, ids: list[str]) -> N
     await _drop(rng, ws, json.dumps(creates[cut]) if cut < len(creates) else None)
 
 
-Door = Callable[[Running, random.Random, list[str]], Awaitable[None]]
+Door = Callable[[Running, random.Random, Who], Awaitable[None]]
 DOORS: tuple[Door, ...] = (protocol_ws, chat_completions, responses_http, responses_ws)
 
 
-async def _created(server: Running) -> list[str]:
-    """Responses of KEYS[0] that end, to resume from: read whole, over a connection the server closes."""
+async def _created(server: Running, key: str) -> list[str]:
+    """Responses of ``key`` that end, to resume from: read whole, over a connection the server closes."""
     ids = []
     for _ in range(2):
         body = {"model": "default", "input": "hi", "max_output_tokens": 5}
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(_http("POST", "/v1/responses", KEYS[0], body, "Connection: close\r\n"))
+        writer.write(_http("POST", "/v1/responses", key, body, "Connection: close\r\n"))
         answer = await asyncio.wait_for(reader.read(), 10)
         writer.close()
         ids.append(json.loads(answer.split(b"\r\n\r\n", 1)[1])["id"])
@@ -229,17 +263,18 @@ def _held(server: Running) -> dict[str, Any]:
     return {k: v for k, v in held.items() if v}
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize(("seed", "auth"), [(1, False), (2, False), (3, True)], indirect=["auth"])
 async def test_clients_dropped_anywhere_at_every_door_leave_nothing_held(
-    server: Running, seed: int, caplog: pytest.LogCaptureFixture
+    server: Running, seed: int, auth: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     rng = random.Random(seed)
-    ids = await _created(server)
+    w = who(auth)
+    w.ids.extend(await _created(server, w.keys[0]))
     gate = asyncio.Semaphore(AT_ONCE)
 
     async def one(door: Door, r: random.Random) -> None:
         async with gate:
-            await door(server, r, ids)
+            await door(server, r, w)
 
     with structlog.testing.capture_logs() as events:
         await asyncio.gather(*(one(rng.choice(DOORS), random.Random(rng.random())) for _ in range(CLIENTS)))
@@ -252,12 +287,16 @@ async def test_clients_dropped_anywhere_at_every_door_leave_nothing_held(
     failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     failed += [e["event"] for e in events if e.get("log_level") in ("error", "critical", "exception")]
     assert failed == [], f"seed {seed}"
-    # And the server still serves each owner a whole stream.
-    async with websockets.connect(server.url, subprotocols=[Subprotocol(JSON_SUBPROTOCOL)]) as ws:
-        await ws.send(json.dumps({"type": "hello", "v": 1}))
-        await ws.send(json.dumps({"type": "chat", "id": "after", "content": "still there?"}))
-        while (f := json.loads(await asyncio.wait_for(ws.recv(), 10)))["type"] != "done":
-            assert f["type"] != "error", f
+    # And the server still serves every owner a whole stream, on both kinds of door (once the one-second
+    # windows of the users' chat rates, which the drops may have filled, have passed).
+    await asyncio.sleep(1.1)
+    for key in w.keys:
+        async with websockets.connect(server.url, subprotocols=[Subprotocol(JSON_SUBPROTOCOL)]) as ws:
+            await ws.send(json.dumps({**w.hello(rng), **({"token": key} if auth else {})}))
+            await ws.send(json.dumps({"type": "chat", "id": "after", "content": "still there?"}))
+            while (f := json.loads(await asyncio.wait_for(ws.recv(), 10)))["type"] != "done":
+                assert f["type"] != "error", f
+        assert len(await _created(server, key)) == 2
 
 
 def _frames(door: str) -> list[dict[str, Any]]:

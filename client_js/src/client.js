@@ -58,6 +58,20 @@ export function backoffDelay(attempt, { initialMs = 300, maxMs = 10000, random =
   return Math.floor(random() * cap);
 }
 
+/**
+ * Milliseconds on a clock that never jumps (performance.now: browsers, Node, React Native): the heartbeat,
+ * the ping's round trip and the backoff's "stable" measure spans of time, which a wall clock set back an
+ * hour (Date.now) would stretch by that hour, silencing the dead-link detection until then.
+ */
+function monotonicMs() {
+  return globalThis.performance?.now?.() ?? Date.now();
+}
+
+// A connection that stayed up this long was a success: the backoff starts again from its first step. One
+// that is dropped sooner (a server that welcomes and then closes, a flapping proxy) is a failed attempt,
+// and the next delay grows, or every client would reconnect within 300 ms, in a loop, all at once.
+const STABLE_MS = 10000;
+
 /** A random request id (32 hex digits); crypto.getRandomValues works in insecure contexts too. */
 export function newId() {
   const b = new Uint8Array(16);
@@ -307,6 +321,7 @@ export class TokenwireClient extends Emitter {
     if (this.#state === "idle" || this.#state === "closed") {
       this.#everOpen = false;
       this.#attempt = 0;
+      if (!this.#offNetwork) this.#watchNetwork();
       this.#open();
     }
     return opened;
@@ -350,7 +365,10 @@ export class TokenwireClient extends Emitter {
     if (id === undefined) return this.#foreground(); // the app lifecycle's resume(): see #foreground
     if (this.#state === "closed") throw new TokenwireError("closed", "the client is closed; call connect()");
     if (this.#requests.has(id)) return this.#requests.get(id).stream;
-    F.checkId(id);
+    // Checked now, as the hello or the resume frame would check them later, where a bad one cannot be
+    // thrown to the caller (restore() skips an entry that fails here).
+    F.resume({ id, offset, epoch: offset > 0 ? epoch : null });
+    if (typeof text !== "string") throw new TypeError("text: expected a string");
     const req = this.#track(id, null, offset, epoch, text);
     req.accepted = true; // known to the server: resume, never re-chat
     this.#drive(req);
@@ -377,9 +395,9 @@ export class TokenwireClient extends Emitter {
   ping() {
     if (!this.#conn?.welcomed) return Promise.reject(new TokenwireError("not_connected", "not connected"));
     const ts = ++this.#pingSeq;
-    const start = Date.now();
+    const start = monotonicMs();
     return new Promise((resolve, reject) => {
-      this.#pings.set(ts, { ok: () => resolve(Date.now() - start), fail: reject });
+      this.#pings.set(ts, { ok: () => resolve(monotonicMs() - start), fail: reject });
       this.#send(F.ping(ts));
     });
   }
@@ -395,6 +413,8 @@ export class TokenwireClient extends Emitter {
     const conn = this.#conn;
     this.#conn = null;
     if (conn) this.#abandon(conn, 1000, "client closed");
+    this.#offNetwork?.(); // the window's listeners would keep this client alive (connect() adds them again)
+    this.#offNetwork = null;
     const err = new TokenwireError("closed", "the client was closed");
     for (const waiter of this.#pings.values()) waiter.fail(err);
     this.#pings.clear();
@@ -437,6 +457,9 @@ export class TokenwireClient extends Emitter {
         // A clean close (1000), not an abort: the server sees the client go, and detaches its streams,
         // which run on (a disconnect never cancels).
         this.#abandon(conn, 1000, "paused", { clean: true });
+        const err = new TokenwireError("not_connected", "paused");
+        for (const waiter of this.#pings.values()) waiter.fail(err);
+        this.#pings.clear();
       }
       for (const req of this.#requests.values()) {
         req.phase = "queued";
@@ -519,6 +542,9 @@ export class TokenwireClient extends Emitter {
           continue; // not a chat this client could have saved: skipped, never a crash at launch
         }
         const req = this.#track(id, frame, 0, null, "");
+        // The last run may have sent it, and the server taken it: a Stop must reach the server (the chat
+        // goes out again, attaching to it, then its cancel), not just end the stream here.
+        req.everSent = true;
         this.#drive(req);
         out.push({ id, stream: req.stream });
         continue;
@@ -564,8 +590,15 @@ export class TokenwireClient extends Emitter {
   }
 
   #bindSignal(req, signal) {
-    if (signal.aborted) this.cancel(req.id);
-    else signal.addEventListener("abort", () => this.cancel(req.id), { once: true });
+    if (signal.aborted) {
+      this.cancel(req.id);
+      return;
+    }
+    // Removed when the request ends: an app that reuses one signal for many chats would otherwise keep a
+    // listener per chat, and its abort() would send a cancel for each one long finished.
+    const onAbort = () => this.cancel(req.id);
+    signal.addEventListener("abort", onAbort, { once: true });
+    req.unbind = () => signal.removeEventListener("abort", onAbort);
   }
 
   /** Send what a request needs on the current connection, if it is open and the request is queued. */
@@ -624,6 +657,7 @@ export class TokenwireClient extends Emitter {
 
   #end(req, done, error = null) {
     clearTimeout(req.retryTimer);
+    req.unbind?.();
     this.#requests.delete(req.id);
     req.stream._finish(done, error);
     // Done and handed to the app: no longer kept for a relaunch (closed by close(): kept, so that a
@@ -744,6 +778,27 @@ export class TokenwireClient extends Emitter {
     return this.#tokenLoaded;
   }
 
+  /** The stored session token, if it is one the server could have issued; else forgotten and reported. */
+  #usableSessionToken() {
+    const token = this.#sessionToken;
+    if (token == null || token === "") return null;
+    try {
+      F.hello({ sessionToken: token });
+      return token;
+    } catch {
+      // A storage that was written by something else, or corrupted: start a new session, as the server
+      // would for a token it cannot read, instead of failing every hello with it.
+      this.#sessionToken = null;
+      try {
+        Promise.resolve(this.#storage?.removeItem(this.#storageKey)).catch(() => {});
+      } catch {
+        // a storage that throws at once: forgotten in memory all the same
+      }
+      this.emit("error", new TokenwireError("bad_persisted", "the stored session token is not one the server issued: a new session"));
+      return null;
+    }
+  }
+
   async #saveSessionToken(token) {
     if (token === this.#sessionToken) return;
     this.#sessionToken = token;
@@ -760,7 +815,7 @@ export class TokenwireClient extends Emitter {
     // After a failed attempt #lost has said "reconnecting", with the delay: this attempt is that one.
     const next = this.#everOpen ? "reconnecting" : "connecting";
     if (this.#state !== next) this.#setState(next, { attempt: this.#attempt });
-    const conn = { ws: null, codec: null, welcomed: false, helloSession: null, lastRx: Date.now(), pingTs: null, pingAt: 0, timers: [] };
+    const conn = { ws: null, codec: null, welcomed: false, helloSession: null, lastRx: monotonicMs(), pingTs: null, pingAt: 0, timers: [] };
     this.#conn = conn;
     this.#start(conn).catch((err) => this.#lost(conn, { code: 1006, reason: String(err?.message ?? err), abandon: true }));
   }
@@ -808,13 +863,22 @@ export class TokenwireClient extends Emitter {
         req.requested = req.offset;
       }
     }
-    conn.helloSession = this.#sessionToken;
-    const hello = F.hello({
-      token: conn.token ?? undefined,
-      sessionToken: conn.helloSession,
-      resume: points,
-      coalesceMs: this.#opts.coalesceMs,
-    });
+    conn.helloSession = this.#usableSessionToken();
+    let hello;
+    try {
+      hello = F.hello({
+        token: conn.token ?? undefined,
+        sessionToken: conn.helloSession,
+        resume: points,
+        coalesceMs: this.#opts.coalesceMs,
+      });
+    } catch (err) {
+      // Only the app's token (or coalesceMs) can fail here: the session token and every resume point were
+      // checked. Reported, and retried with backoff: a token() function may return a good one next time.
+      this.emit("error", err);
+      this.#lost(conn, { code: 4004, reason: `hello: ${err.message}`.slice(0, 100), abandon: true });
+      return;
+    }
     if (points.length) this.emit("resume", { points });
     this.#sendOn(conn, hello);
     this.#startHeartbeat(conn);
@@ -822,7 +886,7 @@ export class TokenwireClient extends Emitter {
 
   #onMessage(conn, data) {
     if (this.#conn !== conn) return;
-    conn.lastRx = Date.now();
+    conn.lastRx = monotonicMs();
     conn.pingTs = null; // any frame proves the connection alive
     let frame;
     try {
@@ -883,8 +947,8 @@ export class TokenwireClient extends Emitter {
   #beforeWelcome(conn, frame) {
     if (frame.type === "welcome") {
       conn.welcomed = true;
+      conn.welcomedAt = monotonicMs();
       this.welcome = frame;
-      this.#attempt = 0;
       this.#everOpen = true;
       conn.retriedWithoutSession = false;
       this.#saveSessionToken(frame.session_token);
@@ -1031,7 +1095,7 @@ export class TokenwireClient extends Emitter {
     const period = Math.max(50, Math.min(1000, Math.min(activeMs, timeoutMs) / 4));
     const timer = setInterval(() => {
       if (this.#conn !== conn) return;
-      const now = Date.now();
+      const now = monotonicMs();
       if (conn.pingTs != null) {
         if (now - conn.pingAt >= timeoutMs) {
           this.#lost(conn, { code: 4003, reason: `no answer to ping in ${timeoutMs} ms`, abandon: true });
@@ -1048,11 +1112,11 @@ export class TokenwireClient extends Emitter {
     if (!conn.welcomed || conn.pingTs != null) return;
     const ts = ++this.#pingSeq;
     conn.pingTs = ts;
-    conn.pingAt = Date.now();
+    conn.pingAt = monotonicMs();
     const start = conn.pingAt;
     this.#pings.set(ts, {
       ok: () => {
-        this.rttMs = Date.now() - start;
+        this.rttMs = monotonicMs() - start;
       },
       fail: () => {},
     });
@@ -1113,6 +1177,7 @@ export class TokenwireClient extends Emitter {
       this.#setState(this.#paused ? "paused" : "offline", { code, reason });
       return;
     }
+    if (conn.welcomed && monotonicMs() - conn.welcomedAt >= STABLE_MS) this.#attempt = 0;
     const delay = backoffDelay(this.#attempt, { ...this.#opts.backoff, random: this.#opts.backoff?.random });
     this.#attempt += 1;
     this.#setState("reconnecting", { code, reason, delay, attempt: this.#attempt });

@@ -588,3 +588,136 @@ test("each failed reconnect says reconnecting once, with its delay", async () =>
   assert.deepEqual(events.map((e) => e.attempt), events.map((_, i) => i + 1));
   c.close();
 });
+
+// ---- found by an outside probe of the client on flaky networks (2026-12-07) ---------------------------
+
+test("a stored session token the server could never have issued is forgotten and reported, not sent", async () => {
+  // Over 4096 characters, or a lone surrogate: the hello's check threw inside the socket's open handler,
+  // killing a Node process, or looping connecting/reconnecting for ever with no event.
+  for (const bad of ["x".repeat(4097), "ab\ud800"]) {
+    const server = await fake();
+    const storage = new MemoryStorage();
+    await storage.setItem(`tokenwire:session_token:${server.url}`, bad);
+    const c = client(server.url, { storage });
+    const errors = [];
+    c.on("error", (e) => errors.push(e));
+    await c.connect();
+    assert.deepEqual(errors.map((e) => e.code), ["bad_persisted"]);
+    assert.equal(server.received.find((f) => f.type === "hello").session_token, undefined);
+    assert.equal(await storage.getItem(`tokenwire:session_token:${server.url}`), c.welcome.session_token);
+    assert.equal((await drain(c.chat("hi"))).finishReason, "stop");
+  }
+});
+
+test("a persisted reply whose epoch or offset no server sends is skipped by restore, and the app goes on", async () => {
+  const server = await fake();
+  const storage = new MemoryStorage();
+  const key = `tokenwire:session_token:${server.url}:inflight`;
+  const saved = {
+    e0: { offset: 3, epoch: 0, text: "abc" },
+    e1: { offset: 3, epoch: "1", text: "abc" },
+    e2: { offset: 3, epoch: 2 ** 40, text: "abc" },
+  };
+  await storage.setItem(key, JSON.stringify(saved));
+  const c = client(server.url, { storage, persist: storage });
+  assert.deepEqual(await c.restore(), []);
+  await c.connect();
+  assert.equal((await drain(c.chat("hi", {}, { id: "after-bad" }))).finishReason, "stop");
+  assert.ok(!("e0" in JSON.parse((await storage.getItem(key)) ?? "{}")), "the bad entries are not written back");
+  assert.throws(() => c.resume("r-bad", { offset: 2, epoch: 0 }), RangeError); // the same check, to the caller
+});
+
+test("a token() that returns a token no server takes is reported and retried with backoff, not thrown", async () => {
+  const server = await fake();
+  let calls = 0;
+  const c = client(server.url, { token: () => (++calls === 1 ? "t".repeat(4097) : undefined) });
+  const errors = [];
+  c.on("error", (e) => errors.push(e));
+  await c.connect();
+  assert.equal(calls, 2);
+  assert.equal(errors.length, 1);
+  assert.match(errors[0].message, /token: longer than 4096/);
+});
+
+test("Stop of a restored chat the server may have taken reaches the server", async () => {
+  // A chat saved before its accepted came (here: refused for now, then the app killed): the server may
+  // hold it, so Stop sends it again (attaching) and its cancel, instead of ending only on the phone.
+  const server = await fake({ overload: 1, holdAt: () => 2 });
+  const storage = new MemoryStorage();
+  const a = client(server.url, { storage, persist: storage });
+  await a.connect();
+  a.chat("hi", {}, { id: "rs1" });
+  await until(() => server.received.some((f) => f.type === "chat" && f.id === "rs1"), "the chat sent");
+  a.close();
+  const b = client(server.url, { storage, persist: storage });
+  const [{ id, stream }] = await b.restore();
+  assert.equal(id, "rs1");
+  b.cancel("rs1"); // before the welcome
+  const done = await drain(stream);
+  assert.equal(done.finishReason, "cancelled");
+  assert.equal(server.received.filter((f) => f.type === "cancel" && f.id === "rs1").length, 1);
+});
+
+test("a server that welcomes and then drops the connection makes the backoff grow", async () => {
+  // Each welcome reset it: against a server that closed right after, 60-odd reconnects in 10 s, each
+  // within 300 ms, from every client at once.
+  const server = await fake();
+  const c = client(server.url, { backoff: { initialMs: 10, maxMs: 1000 } });
+  const attempts = [];
+  c.on("open", () => setTimeout(() => server.dropAll(), 5));
+  c.on("reconnecting", (ev) => ev.delay != null && attempts.push(ev.attempt));
+  await c.connect();
+  await until(() => attempts.length >= 4, "4 reconnects");
+  c.close();
+  assert.deepEqual(attempts.slice(0, 4), [1, 2, 3, 4]);
+});
+
+test("a signal shared by many chats is let go as each ends: a later abort cancels nothing", async () => {
+  const server = await fake();
+  const c = client(server.url);
+  await c.connect();
+  const ctl = new AbortController();
+  for (let i = 0; i < 3; i++) await drain(c.chat("hi", {}, { id: `sig${i}`, signal: ctl.signal }));
+  ctl.abort();
+  await new Promise((r) => setTimeout(r, 50));
+  assert.equal(server.received.filter((f) => f.type === "cancel").length, 0);
+});
+
+test("the ping's round trip does not go negative when the wall clock is set back", async () => {
+  const server = await fake();
+  const c = client(server.url);
+  await c.connect();
+  const wall = Date.now;
+  const pong = c.ping();
+  Date.now = () => wall() - 3600000;
+  try {
+    assert.ok((await pong) >= 0);
+  } finally {
+    Date.now = wall;
+  }
+});
+
+test("close() removes the page's online and visibility listeners (connect() adds them again)", async () => {
+  const server = await fake();
+  const listeners = new Map();
+  const target = {
+    addEventListener: (type, fn) => listeners.set(fn, type),
+    removeEventListener: (type, fn) => listeners.delete(fn),
+  };
+  const saved = { window: globalThis.window, document: globalThis.document };
+  globalThis.window = target;
+  globalThis.document = { ...target, visibilityState: "visible" };
+  try {
+    const c = client(server.url, { autoConnect: false });
+    assert.equal(listeners.size, 2);
+    c.close();
+    assert.equal(listeners.size, 0);
+    await c.connect();
+    assert.equal(listeners.size, 2);
+    c.close();
+    assert.equal(listeners.size, 0);
+  } finally {
+    globalThis.window = saved.window;
+    globalThis.document = saved.document;
+  }
+});

@@ -272,6 +272,9 @@ export class TokenwireClient extends Emitter {
     }
     this.#msgpack = options.msgpack ?? null;
     if (options.coalesceMs != null) F.hello({ coalesceMs: options.coalesceMs }); // checks the range now
+    // A token string the hello would refuse would fail every attempt, for ever: refused now. (A token()
+    // function is checked at each attempt: it may return a good one next time.)
+    if (options.token != null && typeof options.token !== "function") F.hello({ token: options.token });
     checkDetachTimeout(options.detachTimeoutMs);
     this.#subprotocols = subprotocolsFrom(options.subprotocols, !!this.#msgpack);
     this.#storage = options.storage === undefined ? defaultStorage() : options.storage;
@@ -350,8 +353,8 @@ export class TokenwireClient extends Emitter {
       throw new TokenwireError("too_large", `the chat frame would exceed the server's ${this.#maxFrameBytes()} bytes (SPEC §2.2)`, { id });
     }
     const req = this.#track(id, frame, 0, null, "");
+    if (signal) this.#bindSignal(req, signal); // before #drive, which may end it (#end unbinds)
     this.#drive(req);
-    if (signal) this.#bindSignal(req, signal);
     this.#persistArmed = true; // the app chose not to restore() first (README): this client's set is the one
     this.#flushPersisted(); // kept from the start: an app killed before its accepted sends it again
     return req.stream;
@@ -371,8 +374,8 @@ export class TokenwireClient extends Emitter {
     if (typeof text !== "string") throw new TypeError("text: expected a string");
     const req = this.#track(id, null, offset, epoch, text);
     req.accepted = true; // known to the server: resume, never re-chat
+    if (signal) this.#bindSignal(req, signal); // before #drive, which may end it (#end unbinds)
     this.#drive(req);
-    if (signal) this.#bindSignal(req, signal);
     return req.stream;
   }
 
@@ -387,6 +390,7 @@ export class TokenwireClient extends Emitter {
         this.#end(req, CANCELLED_UNSENT);
         return;
       }
+      this.#flushPersisted(); // the Stop is kept with it until the server confirms it (restore())
     }
     if (this.#conn?.welcomed) this.#send(F.cancel({ id }));
   }
@@ -430,6 +434,7 @@ export class TokenwireClient extends Emitter {
 
   /** Close the current socket now, as if the network dropped, and reconnect (for tests and "retry now"). */
   reconnectNow(reason = "reconnect requested") {
+    this.#attempt = 0; // asked for now: not the next step of the backoff of earlier failures
     const conn = this.#conn;
     if (conn) this.#lost(conn, { code: 4000, reason, abandon: true });
     else if (this.#state === "reconnecting") this.#retryNow();
@@ -530,6 +535,7 @@ export class TokenwireClient extends Emitter {
       return [];
     }
     const out = [];
+    const stops = [];
     for (const [id, e] of Object.entries(saved)) {
       if (this.#requests.has(id) || !e || typeof e !== "object") continue;
       if (e.chat) {
@@ -545,21 +551,32 @@ export class TokenwireClient extends Emitter {
         // The last run may have sent it, and the server taken it: a Stop must reach the server (the chat
         // goes out again, attaching to it, then its cancel), not just end the stream here.
         req.everSent = true;
+        if (e.cancel === true) req.cancelRequested = true; // a Stop the last run could not deliver
         this.#drive(req);
         out.push({ id, stream: req.stream });
         continue;
       }
-      const keep = typeof e.text === "string" && e.text.length > 0 && Number.isSafeInteger(e.offset) && e.offset > 0;
+      let keep = typeof e.text === "string" && e.text.length > 0 && Number.isSafeInteger(e.offset) && e.offset > 0;
       let stream;
       try {
         stream = this.resume(id, keep ? { offset: e.offset, epoch: e.epoch ?? null, text: e.text } : {});
       } catch {
-        continue;
+        // Its saved point is not one a server sent (an epoch out of range): the reply is replayed from 0
+        // instead, as for an entry saved without its text. Only an id no request can have is skipped.
+        keep = false;
+        try {
+          stream = this.resume(id, {});
+        } catch {
+          continue;
+        }
       }
       // The stream starts with the saved text: one delta for [0, offset), then the rest as it comes.
       if (keep) stream._prime({ type: "delta", id, offset: 0, n: e.offset, text: e.text });
+      if (e.cancel === true) stops.push(id); // a Stop the last run could not deliver: sent with the resume
       out.push({ id, stream });
     }
+    // After the loop: cancel() saves the set, which must be whole by then.
+    for (const id of stops) this.cancel(id);
     return out;
   }
 
@@ -590,6 +607,7 @@ export class TokenwireClient extends Emitter {
   }
 
   #bindSignal(req, signal) {
+    if (req.stream.ended) return;
     if (signal.aborted) {
       this.cancel(req.id);
       return;
@@ -688,14 +706,17 @@ export class TokenwireClient extends Emitter {
     const entries = {};
     const live = [...this.#requests.values()].filter((r) => !r.stream.ended && (r.accepted || r.frame));
     for (const req of live.slice(-MAX_PERSISTED)) {
+      // A Stop not yet confirmed is kept with its request: an app killed before it reached the server
+      // sends it at the next launch (restore), instead of letting the reply run on.
+      const cancel = req.cancelRequested ? { cancel: true } : {};
       if (!req.accepted) {
         const chat = persistableChat(req.frame);
-        if (chat) entries[req.id] = { chat };
+        if (chat) entries[req.id] = { chat, ...cancel };
         continue;
       }
       const text = req.stream.text;
       // More UTF-16 units than the budget is more bytes too: dropped without being counted.
-      entries[req.id] = text.length <= MAX_PERSISTED_BYTES ? { offset: req.stream.offset, epoch: req.stream.epoch ?? null, text } : NO_TEXT;
+      entries[req.id] = { ...(text.length <= MAX_PERSISTED_BYTES ? { offset: req.stream.offset, epoch: req.stream.epoch ?? null, text } : NO_TEXT), ...cancel };
     }
     fitPersisted(entries);
     this.#writePersisted(Object.keys(entries).length ? JSON.stringify(entries) : null);
@@ -873,8 +894,10 @@ export class TokenwireClient extends Emitter {
         coalesceMs: this.#opts.coalesceMs,
       });
     } catch (err) {
-      // Only the app's token (or coalesceMs) can fail here: the session token and every resume point were
-      // checked. Reported, and retried with backoff: a token() function may return a good one next time.
+      // Only what a token() function returned can fail here (a token string and coalesceMs were checked at
+      // construction, the session token just now, the resume points by resume(); an epoch beyond 2^31
+      // from a server that breaks SPEC would too). Reported, and retried with backoff: a token()
+      // function may return a good one next time.
       this.emit("error", err);
       this.#lost(conn, { code: 4004, reason: `hello: ${err.message}`.slice(0, 100), abandon: true });
       return;
@@ -1169,6 +1192,8 @@ export class TokenwireClient extends Emitter {
         ? TokenwireError.fromFrame(conn.helloError)
         : new TokenwireError(code === 1008 ? "policy_violation" : "protocol_error", `closed ${code} ${reason}`);
       for (const req of [...this.#requests.values()]) this.#end(req, null, err);
+      this.#offNetwork?.(); // closed for good, as close() does (connect() adds them again)
+      this.#offNetwork = null;
       this.#setState("closed", { code, reason, error: err });
       return;
     }
@@ -1258,8 +1283,9 @@ function fitPersisted(entries) {
   for (const [id, s] of sizes) {
     if (total <= MAX_PERSISTED_BYTES) return;
     if (entries[id].text) {
-      entries[id] = NO_TEXT;
-      total += size(id, NO_TEXT) - s;
+      const e = entries[id].cancel ? { ...NO_TEXT, cancel: true } : NO_TEXT;
+      entries[id] = e;
+      total += size(id, e) - s;
     }
   }
   for (const [id, s] of sizes) {

@@ -318,7 +318,7 @@ export interface WelcomeFrame {
 export interface StateEvent {
   state: ConnectionState;
   previous: ConnectionState;
-  /** Close code of the connection that was lost (reconnecting, closed); 4001 connect timeout, 4003 heartbeat. */
+  /** Close code of the connection that was lost (reconnecting, closed); 4001 connect timeout, 4003 heartbeat, 4004 a hello this client could not send (what token() returned). */
   code?: number;
   reason?: string;
   /** Delay before the next attempt (reconnecting: one event per failed attempt, with its delay). */

@@ -6,7 +6,9 @@
 import assert from "node:assert/strict";
 import { after, test } from "node:test";
 
-import WebSocket from "ws";
+import { getEventListeners } from "node:events";
+
+import WebSocket, { WebSocketServer } from "ws";
 
 import { MAX_PERSISTED_BYTES, MemoryStorage, TokenwireClient, frames, mmkvStorage, withAppState, withBrowserLifecycle, withNetInfo } from "../src/index.js";
 import { FakeServer } from "../testing/fake-server.js";
@@ -609,7 +611,7 @@ test("a stored session token the server could never have issued is forgotten and
   }
 });
 
-test("a persisted reply whose epoch or offset no server sends is skipped by restore, and the app goes on", async () => {
+test("a persisted reply whose epoch no server sends is replayed from 0 by restore, and the app goes on", async () => {
   const server = await fake();
   const storage = new MemoryStorage();
   const key = `tokenwire:session_token:${server.url}:inflight`;
@@ -620,11 +622,17 @@ test("a persisted reply whose epoch or offset no server sends is skipped by rest
   };
   await storage.setItem(key, JSON.stringify(saved));
   const c = client(server.url, { storage, persist: storage });
-  assert.deepEqual(await c.restore(), []);
+  const restored = await c.restore();
+  assert.deepEqual(restored.map((r) => r.id), ["e0", "e1", "e2"]);
   await c.connect();
+  const points = server.received.find((f) => f.type === "hello").resume;
+  assert.deepEqual(points, [{ id: "e0", offset: 0 }, { id: "e1", offset: 0 }, { id: "e2", offset: 0 }]);
   assert.equal((await drain(c.chat("hi", {}, { id: "after-bad" }))).finishReason, "stop");
-  assert.ok(!("e0" in JSON.parse((await storage.getItem(key)) ?? "{}")), "the bad entries are not written back");
   assert.throws(() => c.resume("r-bad", { offset: 2, epoch: 0 }), RangeError); // the same check, to the caller
+});
+
+test("a token string no server takes throws at construction", () => {
+  assert.throws(() => new TokenwireClient("ws://127.0.0.1:9/v1/ws", { WebSocket, token: "t".repeat(4097), autoConnect: false }), RangeError);
 });
 
 test("a token() that returns a token no server takes is reported and retried with backoff, not thrown", async () => {
@@ -678,9 +686,44 @@ test("a signal shared by many chats is let go as each ends: a later abort cancel
   await c.connect();
   const ctl = new AbortController();
   for (let i = 0; i < 3; i++) await drain(c.chat("hi", {}, { id: `sig${i}`, signal: ctl.signal }));
+  // One that ends before it is sent (too large once encoded: 2 bytes a unit): bound first, let go too.
+  const big = c.chat("\u00e9".repeat(600000), {}, { id: "sig-big", signal: ctl.signal });
+  await assert.rejects(big.result, (e) => e.code === "too_large");
+  assert.equal(getEventListeners(ctl.signal, "abort").length, 0);
   ctl.abort();
-  await new Promise((r) => setTimeout(r, 50));
+  await c.ping(); // whatever abort() sent is in before the pong
   assert.equal(server.received.filter((f) => f.type === "cancel").length, 0);
+});
+
+test("reconnectNow() after failed attempts starts the backoff again", async () => {
+  const server = await fake();
+  const c = client(server.url, { backoff: { initialMs: 10, maxMs: 1000 } });
+  const attempts = [];
+  let drops = 3;
+  c.on("open", () => drops-- > 0 && setTimeout(() => server.dropAll(), 5));
+  c.on("reconnecting", (ev) => ev.delay != null && attempts.push(ev.attempt));
+  await c.connect();
+  await until(() => attempts.length === 3 && c.state === "open", "3 drops, then open");
+  c.reconnectNow();
+  assert.deepEqual(attempts, [1, 2, 3, 1]);
+});
+
+test("a Stop the app could not deliver before it was killed is sent at the next launch", { timeout: 20000 }, async () => {
+  const server = await fake({ holdAt: () => 4 });
+  const storage = new MemoryStorage();
+  const a = client(server.url, { storage, persist: storage });
+  await a.connect();
+  const first = a.chat("hi", {}, { id: "stop-late" });
+  await until(() => first.offset === 4, "4 tokens");
+  a.setOnline(false);
+  server.dropAll();
+  await until(() => a.state === "offline", "offline");
+  a.cancel("stop-late"); // no connection to send it on; then the app is killed
+  const b = client(server.url, { storage, persist: storage });
+  const [{ stream }] = await b.restore();
+  const done = await drain(stream);
+  assert.equal(done.finishReason, "cancelled");
+  assert.equal(server.received.filter((f) => f.type === "cancel" && f.id === "stop-late").length, 1);
 });
 
 test("the ping's round trip does not go negative when the wall clock is set back", async () => {
@@ -716,6 +759,16 @@ test("close() removes the page's online and visibility listeners (connect() adds
     assert.equal(listeners.size, 2);
     c.close();
     assert.equal(listeners.size, 0);
+    // Closed for good by the server (1008): the same.
+    const refusing = new WebSocketServer({ host: "127.0.0.1", port: 0, handleProtocols: (p) => [...p][0] });
+    await new Promise((r) => refusing.on("listening", r));
+    refusing.on("connection", (ws) => ws.close(1008, "no"));
+    const d = client(`ws://127.0.0.1:${refusing.address().port}/v1/ws`);
+    assert.equal(listeners.size, 2);
+    await assert.rejects(d.connect());
+    assert.equal(d.state, "closed");
+    assert.equal(listeners.size, 0);
+    await new Promise((r) => refusing.close(r));
   } finally {
     globalThis.window = saved.window;
     globalThis.document = saved.document;

@@ -55,11 +55,6 @@ from server.store.requests import FINAL_STATES
 log = structlog.get_logger(__name__)
 
 
-# How long a protocol close (bad frames, 1002, 1009) waits for the client's close reply while it drops
-# what the client still sends: a reply takes a round trip, a phone's included.
-PROTOCOL_CLOSE_TIMEOUT_S = 2.0
-
-
 class TurnDropped(Exception):
     """A waiting content-mode turn was cancelled before it was submitted (Connection._cancel)."""
 
@@ -162,9 +157,9 @@ class Connection:
         couple wait (max_queue): a plain close() waited its whole close timeout (10 s) for a reply it
         could not reach, holding the socket and telling the client late."""
         # What is drained is read unpaced: a client that keeps sending instead of replying is cut off
-        # after PROTOCOL_CLOSE_TIMEOUT_S, not websockets' 10 s.
-        if self.ws.close_timeout is None or self.ws.close_timeout > PROTOCOL_CLOSE_TIMEOUT_S:
-            self.ws.close_timeout = PROTOCOL_CLOSE_TIMEOUT_S
+        # after egress.CLOSE_TIMEOUT_S, not websockets' 10 s.
+        if self.ws.close_timeout is None or self.ws.close_timeout > egress.CLOSE_TIMEOUT_S:
+            self.ws.close_timeout = egress.CLOSE_TIMEOUT_S
         closing = asyncio.ensure_future(self.ws.close(code, reason))
         with contextlib.suppress(ConnectionClosed):
             async for _ in self.ws:

@@ -31,8 +31,9 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-# How long a door waits for a closing connection to end once it stops: the client's close frame or TCP
-# close is normally already there, so this only bounds a client that closes and then never lets go.
+# How long a closing connection may take to end once its door stops reading: the client's close reply or
+# TCP close takes a round trip (a phone's included) and is normally there at once, so this only bounds a
+# client that closes, or is closed (connection.py's protocol close), and then never lets go.
 CLOSE_TIMEOUT_S = 2.0
 
 

@@ -50,20 +50,21 @@ class Who:
     first one's ``ids`` of responses that ended, to resume."""
 
     keys: tuple[str, ...]
+    auth: bool
     ids: list[str] = field(default_factory=list)
 
-    def hello(self, rng: random.Random) -> dict[str, Any]:
-        frame: dict[str, Any] = {"type": "hello", "v": 1}
-        if self.keys[0].count(".") == 2:  # a JWT: auth is on
-            frame["token"] = rng.choice(self.keys)
-        return frame
+    def hello(self, key: str) -> dict[str, Any]:
+        """A hello as ``key``'s user (with auth off, a new anonymous session whatever the key)."""
+        return {"type": "hello", "v": 1, **({"token": key} if self.auth else {})}
 
 
 def who(auth: bool) -> Who:
     if not auth:
-        return Who(("k-a", "k-b", "k-c"))
+        return Who(("k-a", "k-b", "k-c"), auth)
     exp = int(time.time() + 600)
-    return Who(tuple(jwt.encode({"sub": u, "exp": exp}, SECRET, algorithm="HS256") for u in ("a", "b", "c")))
+    return Who(
+        tuple(jwt.encode({"sub": u, "exp": exp}, SECRET, algorithm="HS256") for u in ("a", "b", "c")), auth
+    )
 
 
 CLIENTS = 48  # per seed, AT_ONCE at a time
@@ -127,7 +128,7 @@ async def protocol_ws(server: Running, rng: random.Random, w: Who) -> None:
     # max_queue None: a client that closes with a handshake reads on until it ends (websockets' own stops
     # reading once 16 frames wait unread, and its close() would then wait 10 s for the server's reply).
     ws = await websockets.connect(server.url, subprotocols=[Subprotocol(JSON_SUBPROTOCOL)], max_queue=None)
-    hello = json.dumps(w.hello(rng))
+    hello = json.dumps(w.hello(rng.choice(w.keys)))
     if rng.random() < 0.1:
         return await _drop(rng, ws, hello)
     await ws.send(hello)
@@ -279,10 +280,7 @@ async def test_clients_dropped_anywhere_at_every_door_leave_nothing_held(
 
     with structlog.testing.capture_logs() as events:
         await asyncio.gather(*(one(rng.choice(DOORS), random.Random(rng.random())) for _ in range(CLIENTS)))
-        deadline = time.monotonic() + 15
-        while _held(server) and time.monotonic() < deadline:  # noqa: ASYNC110 (counters, not an event)
-            await asyncio.sleep(0.05)
-    assert _held(server) == {}, f"seed {seed}"
+        await _let_go_within(server, 15, f"seed {seed}")
     # Nothing failed on the way there: no handler died (websockets logs "connection handler failed") and
     # no door caught an internal error of its own.
     failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -293,7 +291,7 @@ async def test_clients_dropped_anywhere_at_every_door_leave_nothing_held(
     await asyncio.sleep(1.1)
     for key in w.keys:
         async with websockets.connect(server.url, subprotocols=[Subprotocol(JSON_SUBPROTOCOL)]) as ws:
-            await ws.send(json.dumps({**w.hello(rng), **({"token": key} if auth else {})}))
+            await ws.send(json.dumps(w.hello(key)))
             await ws.send(json.dumps({"type": "chat", "id": "after", "content": "still there?"}))
             while (f := json.loads(await asyncio.wait_for(ws.recv(), 10)))["type"] != "done":
                 assert f["type"] != "error", f
@@ -310,11 +308,13 @@ def _frames(door: str) -> list[dict[str, Any]]:
     return [{"type": "response.create", "model": "default", "input": "hi"}] * 4
 
 
-async def _let_go_within(server: Running, seconds: float) -> None:
+async def _let_go_within(server: Running, seconds: float, what: str = "") -> None:
+    """Wait until the gateway holds nothing for clients, and fail (saying ``what``) if it still does after
+    ``seconds``."""
     deadline = time.monotonic() + seconds
     while _held(server) and time.monotonic() < deadline:  # noqa: ASYNC110 (counters, not an event)
         await asyncio.sleep(0.05)
-    assert _held(server) == {}
+    assert _held(server) == {}, what
 
 
 @pytest.mark.parametrize("door", ["/v1/ws", "/v1/responses"])

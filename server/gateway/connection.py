@@ -157,9 +157,7 @@ class Connection:
         couple wait (max_queue): a plain close() waited its whole close timeout (10 s) for a reply it
         could not reach, holding the socket and telling the client late."""
         # What is drained is read unpaced: a client that keeps sending instead of replying is cut off
-        # after egress.CLOSE_TIMEOUT_S, not websockets' 10 s.
-        if self.ws.close_timeout is None or self.ws.close_timeout > egress.CLOSE_TIMEOUT_S:
-            self.ws.close_timeout = egress.CLOSE_TIMEOUT_S
+        # after the close timeout (egress.CLOSE_TIMEOUT_S, server.py's serve()).
         closing = asyncio.ensure_future(self.ws.close(code, reason))
         with contextlib.suppress(ConnectionClosed):
             async for _ in self.ws:

@@ -18,7 +18,9 @@ Two ways a send can hold a connection long after its client is gone, and what th
   Responses WebSocket once it had sent its close and kept the TCP connection open).
 
 A socket whose closing handshake started while its door was waiting for a frame never reaches
-:func:`drain`: the keepalive sweep aborts it once its close deadline has passed (keepalive.py).
+:func:`drain`: the keepalive sweep aborts it once its close deadline has passed (keepalive.py). That
+deadline is CLOSE_TIMEOUT_S after the closing began too (server.py passes it to websockets as its close
+timeout): with websockets' 10 s such a client was held 10 s and up to one sweep more.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def closing(ws: ServerConnection) -> bool:
 
 async def drain(ws: ServerConnection) -> None:
     """Drop what the client sent and the door did not read, until the connection ends; abort it if it has
-    not after CLOSE_TIMEOUT_S (websockets' close deadline was fixed, at 10 s, when the closing began). For
+    not after CLOSE_TIMEOUT_S (websockets' own close deadline was fixed when the closing began). For
     a door that stopped reading, on a connection that is closing; nothing on one still open."""
     if ws.state is State.OPEN:
         return  # the door returned on its own: websockets closes it, with its full handshake

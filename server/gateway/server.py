@@ -28,7 +28,7 @@ from websockets.typing import Subprotocol
 from protocol import SUBPROTOCOLS, CloseCode
 from server import metrics
 from server.aio import cancel_and_wait
-from server.gateway import keepalive
+from server.gateway import egress, keepalive
 from server.gateway.connection import Connection
 from server.gateway.core import GatewayCore
 from server.gateway.front_door import RESPONSES_PATH, front_door_factory
@@ -359,6 +359,11 @@ class Gateway:
             # only the connections quiet for the interval (keepalive.py, started with the server).
             ping_interval=None,
             compression=None,  # per-message deflate costs CPU and memory per socket for ~20-byte frames
+            # How long a closing handshake may take, whoever began it (websockets' default: 10 s). It fixes
+            # the close deadline when the closing begins: a client that sends its close and keeps its end
+            # of the TCP connection, to a door waiting for a frame, is aborted by the keepalive sweep
+            # after it (egress.py, keepalive.py).
+            close_timeout=egress.CLOSE_TIMEOUT_S,
             # Every connection's first request line picks websockets or the HTTP API (front_door.py).
             create_connection=front_door_factory(
                 lambda api: self.http.connection(api=api),

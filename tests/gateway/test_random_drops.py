@@ -368,3 +368,38 @@ async def test_a_client_that_sends_its_close_and_keeps_the_tcp_connection_is_let
     finally:
         reading.cancel()
         c.writer.transport.abort()
+
+
+@pytest.mark.parametrize("door", ["/v1/ws", "/v1/responses"])
+async def test_a_client_that_closes_an_idle_door_and_keeps_the_tcp_connection_is_let_go(
+    redis: aioredis.Redis, redis_url: str, keys: Keys, door: str
+) -> None:
+    """The door is waiting for a frame when the client's close comes, so it never drains: the keepalive
+    sweep aborts the socket once its close deadline has passed. That deadline was websockets' close
+    timeout, 10 s; it is egress.CLOSE_TIMEOUT_S (2 s) now, so with a sweep every 0.5 s (ping interval 2 s)
+    the connection goes within about 2.5 s."""
+    st = GatewaySettings(port=0, ping_interval_s=2)
+    async with running_server(redis, redis_url, keys, gateway=st) as server:
+        c = await RawClient.connect(server.port, path=door)
+        if door == "/v1/ws":
+            c.send(BINARY, msgpack.packb({"type": "hello", "v": 1}))
+            assert (await asyncio.wait_for(c.recv(), 10))[0] == BINARY  # welcome: the door waits now
+        else:
+            await asyncio.sleep(0.2)  # the door is reading
+        c.send(CLOSE, struct.pack("!H", 1000))
+        lost = asyncio.Event()
+
+        async def read_on() -> None:
+            with contextlib.suppress(Exception):
+                while await c.reader.read(1 << 16):
+                    pass
+            lost.set()
+
+        reading = asyncio.create_task(read_on())
+        try:
+            await _let_go_within(server, 6)
+            assert not server.gateway.connections and not server.gateway.response_sockets
+            await asyncio.wait_for(lost.wait(), 2)  # the server closed the TCP connection
+        finally:
+            reading.cancel()
+            c.writer.transport.abort()

@@ -384,9 +384,11 @@ export class TokenwireClient extends Emitter {
     const req = this.#requests.get(id);
     if (req) {
       req.cancelRequested = true;
-      if (!req.everSent && !req.accepted) {
-        // The server never saw it: nothing to stop there. (A request attached by resume() or restore()
-        // is the server's even before this client sent anything: its cancel goes out with the resume.)
+      if (!req.accepted && req.inDoubt === 0) {
+        // The server holds nothing of it (never sent, or every send refused for now): nothing to stop
+        // there, so it ends at once, also with no connection. (A request attached by resume() or
+        // restore() is the server's even before this client sent anything: its cancel goes out with the
+        // resume.)
         this.#end(req, CANCELLED_UNSENT);
         return;
       }
@@ -469,6 +471,7 @@ export class TokenwireClient extends Emitter {
       for (const req of this.#requests.values()) {
         req.phase = "queued";
         req.conn = null;
+        req.unanswered = false;
       }
       this.#setState("paused");
     }, graceMs);
@@ -550,7 +553,7 @@ export class TokenwireClient extends Emitter {
         const req = this.#track(id, frame, 0, null, "");
         // The last run may have sent it, and the server taken it: a Stop must reach the server (the chat
         // goes out again, attaching to it, then its cancel), not just end the stream here.
-        req.everSent = true;
+        req.inDoubt = 1;
         if (e.cancel === true) req.cancelRequested = true; // a Stop the last run could not deliver
         this.#drive(req);
         out.push({ id, stream: req.stream });
@@ -587,7 +590,10 @@ export class TokenwireClient extends Emitter {
       id,
       frame, // the chat frame, resent as is until accepted; null for resume-only requests
       accepted: false, // ever accepted: from then on it is resumed, never re-chatted
-      everSent: false,
+      // Sends of its chat frame that the server may have taken: each send adds one, and a refusal for
+      // now (its answer) takes it back. One whose answer was lost with its connection stays.
+      inDoubt: 0,
+      unanswered: false, // the chat frame sent on this connection has had no answer yet
       phase: "queued", // queued | sent | attached (on the current connection)
       conn: null,
       requested: offset, // the offset asked for on the current attachment
@@ -639,7 +645,8 @@ export class TokenwireClient extends Emitter {
       }
       req.phase = "sent";
       req.conn = conn;
-      req.everSent = true;
+      req.inDoubt += 1;
+      req.unanswered = true;
       req.requested = 0;
       this.#sendData(conn, data);
     }
@@ -654,7 +661,6 @@ export class TokenwireClient extends Emitter {
   #sendResume(req, offset) {
     req.phase = "sent";
     req.conn = this.#conn;
-    req.everSent = true;
     req.requested = offset;
     // The epoch only matters with offset > 0: it makes the server refuse to splice two generations.
     this.#send(F.resume({ id: req.id, offset, epoch: offset > 0 ? req.epoch : null }));
@@ -877,6 +883,7 @@ export class TokenwireClient extends Emitter {
     for (const req of this.#requests.values()) {
       req.phase = "queued";
       req.conn = null;
+      req.unanswered = false; // its answer went with the connection: that send stays in doubt
       if (req.accepted && !req.stream.ended && points.length < F.MAX_RESUME_POINTS) {
         points.push({ id: req.id, offset: req.offset, epoch: req.offset > 0 ? req.epoch : null });
         req.phase = "sent";
@@ -937,6 +944,7 @@ export class TokenwireClient extends Emitter {
         // Held by the server, not lost: its accepted (or an error) follows. Still a chat to resend
         // after a drop, since the server forgets a waiting turn with its connection.
         if (req && !req.accepted) {
+          req.unanswered = false; // the chat's answer: a refusal after it is its cancel's (SPEC §4.2)
           req.stream.state = "waiting";
           req.stream.waitingFor = frame.after ?? null;
           this.#flushPersisted(); // a waiting turn lives in this client alone: kept for a relaunch
@@ -1065,7 +1073,14 @@ export class TokenwireClient extends Emitter {
         break;
       case "overloaded":
       case "rate_limited": {
-        // Nothing was created: send the same frame again (same id) after the server's delay.
+        // Nothing was created: send the same frame again (same id) after the server's delay. The
+        // chat's own answer (not a cancel's, refused after it) says this send is not the server's.
+        if (req.unanswered && !req.accepted) req.inDoubt -= 1;
+        req.unanswered = false;
+        if (req.cancelRequested && !req.accepted && req.inDoubt === 0) {
+          this.#end(req, CANCELLED_UNSENT); // stopped while this send was on its way: nothing to retry
+          return;
+        }
         req.phase = "queued";
         clearTimeout(req.retryTimer);
         req.retryTimer = setTimeout(() => this.#drive(req), f.retry_after_ms ?? 1000);
@@ -1172,6 +1187,7 @@ export class TokenwireClient extends Emitter {
     for (const req of this.#requests.values()) {
       req.phase = "queued";
       req.conn = null;
+      req.unanswered = false; // its answer went with the connection: that send stays in doubt
     }
     const lostErr = new TokenwireError("not_connected", `connection lost (${code} ${reason})`);
     for (const waiter of this.#pings.values()) waiter.fail(lostErr);

@@ -398,7 +398,8 @@ export class BaseClient {
    * with their ids.
    */
   restore(): Promise<Array<{ id: string; stream: ChatStream }>>;
-  /** Stop a request (sent again after a reconnect until the request ends). */
+  /** Stop a request (sent again after a reconnect until the request ends). A chat the server holds
+   * nothing of (never sent, or every send refused for now) ends "cancelled" at once, also offline. */
   cancel(id: string): void;
   /** Application ping; resolves with the round-trip time in ms. */
   ping(): Promise<number>;

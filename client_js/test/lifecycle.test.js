@@ -774,3 +774,64 @@ test("close() removes the page's online and visibility listeners (connect() adds
     globalThis.document = saved.document;
   }
 });
+
+// ---- Stop of a chat the server holds nothing of --------------------------------------------------------
+
+test("Stop of a chat refused for now ends at once, also with the socket down", async () => {
+  const server = await fake({ overload: 1 });
+  const c = client(server.url, { backoff: { initialMs: 5, maxMs: 5 } });
+  await c.connect();
+  const stream = c.chat("hi", {}, { id: "rf1" });
+  await until(() => server.received.some((f) => f.type === "chat" && f.id === "rf1"), "the chat sent");
+  await new Promise((r) => setTimeout(r, 20)); // its overloaded is in; the retry is 100 ms away
+  c.setOnline(false);
+  server.dropAll();
+  await until(() => c.state === "offline", "offline");
+  c.cancel("rf1");
+  // It waited for a connection (to send the chat again and its cancel), for as long as the phone was off.
+  const done = await Promise.race([stream.result, new Promise((_, no) => setTimeout(() => no(new Error("still waiting for a connection")), 3000))]);
+  assert.equal(done.finishReason, "cancelled");
+  assert.equal(c.state, "offline");
+  c.setOnline(true);
+  await until(() => c.state === "open", "open again");
+  await new Promise((r) => setTimeout(r, 150)); // past its retry
+  assert.equal(server.received.filter((f) => f.type === "chat" && f.id === "rf1").length, 1, "never sent again");
+  assert.equal(server.received.filter((f) => f.type === "cancel").length, 0);
+});
+
+test("Stop of a chat whose answer was lost with its socket waits, then sends the chat and its cancel", async () => {
+  // A server that takes the first connection's chat and dies before answering it: the chat may be the
+  // server's, so a Stop must reach the server, which is the second connection here.
+  const received = [];
+  let connections = 0;
+  const wss = new WebSocketServer({ host: "127.0.0.1", port: 0, handleProtocols: () => "tokenwire.v1.json" });
+  await new Promise((r) => wss.on("listening", r));
+  wss.on("connection", (ws) => {
+    const n = ++connections;
+    ws.on("message", (data) => {
+      const f = JSON.parse(data.toString("utf8"));
+      received.push({ n, ...f });
+      const send = (x) => ws.send(JSON.stringify(x));
+      if (f.type === "hello") send({ type: "welcome", v: 1, session: "s", session_token: "t.t", server: "x", limits: {} });
+      else if (f.type === "chat" && n === 1) ws.terminate();
+      else if (f.type === "chat") send({ type: "accepted", id: f.id, epoch: 1, model: "m" });
+      else if (f.type === "cancel") send({ type: "done", id: f.id, finish_reason: "cancelled", offset: 0, usage: { prompt_tokens: 1, completion_tokens: 0, cached_tokens: 0 } });
+    });
+  });
+  try {
+    const c = client(`ws://127.0.0.1:${wss.address().port}/v1/ws`, { subprotocols: ["json"], backoff: { initialMs: 5, maxMs: 5 } });
+    await c.connect();
+    c.setOnline(false);
+    const stream = c.chat("hi", {}, { id: "lo1" });
+    await until(() => c.state === "offline", "offline after the server dropped it");
+    c.cancel("lo1");
+    await new Promise((r) => setTimeout(r, 100));
+    assert.equal(stream.ended, false, "ended on the phone while the server may generate on");
+    c.setOnline(true);
+    const done = await stream.result;
+    assert.equal(done.finishReason, "cancelled");
+    assert.deepEqual(received.filter((f) => f.n === 2 && f.type !== "hello").map((f) => f.type), ["chat", "cancel"]);
+  } finally {
+    await new Promise((r) => wss.close(r));
+  }
+});

@@ -304,6 +304,8 @@ class RequestStore:
         # Every key is in the owner's partition (one slot); one not needed is passed as the request's own.
         inflight = k.inflight(owner) if st.max_inflight_per_user else ""
         members = sorted(_s(m) for m in await self.r.smembers(inflight)) if inflight else []
+        if len(members) >= st.max_inflight_per_user > 0:
+            await self._expire_detached(owner, members)
         if route:
             prefer = ""  # affinity queues hold the default model's requests only
         # Read outside the transition, since they may live in other slots: the other partitions' queued
@@ -357,6 +359,32 @@ class RequestStore:
         if outcome in ("overloaded", "user_limit"):
             return SubmitResult(outcome, 0, "", queued=epoch)
         return SubmitResult(outcome, epoch, state)
+
+    async def _expire_detached(self, owner: str, req_keys: list[str]) -> None:
+        """Cancel those of ``owner``'s queued requests that no client has been attached to for their detach
+        timeout (cancel.lua's "detach": the end start.lua would give them when a worker reached them). A
+        full count of requests in flight is read before it refuses: while no worker takes work (all of
+        them restarting or loading, or the queue long), a user who dropped off would otherwise be refused
+        every new request until a worker reached its abandoned ones."""
+        k = self.keys
+        p = k.partition(owner)
+        pipe = self.r.pipeline(transaction=False)
+        for req in req_keys:
+            pipe.hmget(req, ["state", "id", "route"])
+        calls: list[tuple[AsyncScript, list[str], list[Any]]] = []
+        for req, (state, id_b, route_b) in zip(req_keys, await execute(pipe), strict=True):
+            if state != b"queued" or not id_b:
+                continue  # running: the worker's own sweep (detach.lua) ends it
+            id, route = _s(id_b), _s(route_b or b"")
+            calls.append(
+                (
+                    self._cancel,
+                    [req, k.log(owner, id), k.queued_count(p, route), req],
+                    [self.settings.retention_ms, "", "detach"],
+                )
+            )
+        if calls:
+            await self._run_scripts(calls)
 
     async def get(self, owner: str, id: str) -> RequestInfo | None:
         """The request's current record, or None if unknown (never created, other owner, or expired).

@@ -289,6 +289,40 @@ async def test_per_user_limit_counts_queued_and_running_requests(redis: aioredis
     assert await redis.scard(keys.inflight("u1")) == 2  # d and e: the ended ones were pruned
 
 
+async def test_a_user_at_its_limit_is_not_held_by_queued_requests_nobody_waits_for(
+    redis: aioredis.Redis, keys: Keys
+) -> None:
+    """A queued request nobody is attached to past its detach timeout is cancelled when a worker would
+    start it; until then it counted against its user's limit, so while no worker took work (all of them
+    restarting or loading) a user who dropped off was refused every new request. At the limit, submit
+    first cancels those, with the end a worker would have given them (SPEC 10.5); a running one is left to
+    its worker's sweep, and one within its timeout still counts."""
+    store = RequestStore(redis, keys, Settings(max_inflight_per_user=2))
+    await store.ensure_group()
+    assert (await store.submit("u1", "a", "fp", PAYLOAD, detach_timeout_ms=1)).outcome == "new"
+    assert (await store.submit("u1", "b", "fp", PAYLOAD)).outcome == "new"  # the default 30 s
+    assert await store.queued() == 2
+    await asyncio.sleep(0.05)  # a: nobody attached for its timeout
+    assert (await store.submit("u1", "c", "fp", PAYLOAD)).outcome == "new"
+    info = await store.get("u1", "a")
+    assert info is not None and (info.state, info.finish_reason) == ("cancelled", "cancelled")
+    end = (await redis.xrange(keys.log("u1", "a")))[-1][1]
+    assert (end[b"d"], end[b"o"], end[b"c"]) == (b"cancelled", b"0", b"detach_timeout")
+    assert await store.queued() == 2  # b and c
+    assert (await store.submit("u1", "d", "fp", PAYLOAD)).outcome == "user_limit"  # b and c within 30 s
+
+    # A worker reaches the queue: a's entry starts nothing (and is not counted off twice); b and c run.
+    entries = await store.take("w1", partition=store.keys.partition("u1"), count=10, block_ms=100)
+    started = [i.req_key for q, e, k in entries if (i := await store.start("w1", e, k, q)) is not None]
+    assert sorted(started) == [keys.request("u1", "b"), keys.request("u1", "c")]
+    assert await store.queued() == 0
+    await redis.hset(keys.request("u1", "c"), "attached_until", 0)  # c runs past its timeout: its
+    # worker's sweep ends it, not a submit
+    assert (await store.submit("u1", "d", "fp", PAYLOAD)).outcome == "user_limit"
+    info = await store.get("u1", "c")
+    assert info is not None and info.state == "running"
+
+
 async def test_no_per_user_limit_by_default(redis: aioredis.Redis, keys: Keys) -> None:
     store = RequestStore(redis, keys)
     await store.ensure_group()

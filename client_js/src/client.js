@@ -944,7 +944,10 @@ export class TokenwireClient extends Emitter {
         // Held by the server, not lost: its accepted (or an error) follows. Still a chat to resend
         // after a drop, since the server forgets a waiting turn with its connection.
         if (req && !req.accepted) {
-          req.unanswered = false; // the chat's answer: a refusal after it is its cancel's (SPEC §4.2)
+          // The server holds the turn now: its accepted or a refusal follows when its wait ends (SPEC
+          // §4.2), and a refusal then may be the turn's or its cancel's, so the turn stays the server's
+          // until it ends (a Stop of it waits to reach the server).
+          req.unanswered = false;
           req.stream.state = "waiting";
           req.stream.waitingFor = frame.after ?? null;
           this.#flushPersisted(); // a waiting turn lives in this client alone: kept for a relaunch
@@ -962,6 +965,7 @@ export class TokenwireClient extends Emitter {
         break;
       case "error":
         if (req) this.#onRequestError(req, frame);
+        else if (conn.quietIds?.delete(frame.id)) break; // the answer to a cancel of a chat ended since
         else this.emit("error", TokenwireError.fromFrame(frame));
         break;
       case "pong": {
@@ -1078,7 +1082,10 @@ export class TokenwireClient extends Emitter {
         if (req.unanswered && !req.accepted) req.inDoubt -= 1;
         req.unanswered = false;
         if (req.cancelRequested && !req.accepted && req.inDoubt === 0) {
-          this.#end(req, CANCELLED_UNSENT); // stopped while this send was on its way: nothing to retry
+          // Stopped while this send was on its way: nothing to retry. Its cancel went out after the
+          // chat, and its answer (not_found, or rate_limited) follows for an id no longer tracked.
+          (this.#conn.quietIds ??= new Set()).add(req.id);
+          this.#end(req, CANCELLED_UNSENT);
           return;
         }
         req.phase = "queued";

@@ -835,3 +835,18 @@ test("Stop of a chat whose answer was lost with its socket waits, then sends the
     await new Promise((r) => wss.close(r));
   }
 });
+
+test("Stop of a chat on its way, then refused: it ends cancelled, and its cancel's answer is no error", async () => {
+  const server = await fake({ overload: 1 });
+  const c = client(server.url);
+  const errors = [];
+  c.on("error", (e) => errors.push(e.code));
+  await c.connect();
+  const stream = c.chat("hi", {}, { id: "rq1" });
+  c.cancel("rq1"); // the chat is on its way: its cancel goes after it
+  assert.equal((await stream.result).finishReason, "cancelled");
+  await until(() => server.received.some((f) => f.type === "cancel" && f.id === "rq1"), "its cancel sent");
+  await c.ping(); // answered after the cancel's not_found
+  assert.deepEqual(errors, []); // a not_found for an id it no longer tracks was an error event
+  assert.equal(server.received.filter((f) => f.type === "chat" && f.id === "rq1").length, 1);
+});

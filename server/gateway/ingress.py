@@ -160,7 +160,7 @@ class Pace:
 
 FLOOD_REASON = "sending faster than the server reads; slow down"
 # A flooding client's close reply is stuck behind the bytes it is still sending: the handshake is not
-# waited for long, so the client learns of the close within a moment, not websockets' usual 10 s.
+# waited for long, so the client learns of the close within a moment, not the close timeout (2 s).
 FLOOD_CLOSE_TIMEOUT_S = 0.25
 
 

@@ -305,7 +305,9 @@ class RequestStore:
         inflight = k.inflight(owner) if st.max_inflight_per_user else ""
         members = sorted(_s(m) for m in await self.r.smembers(inflight)) if inflight else []
         if len(members) >= st.max_inflight_per_user > 0:
-            await self._expire_detached(owner, members)
+            # Not this id's own: a chat sent again is a sign of life, which submit.lua answers by
+            # attaching and extending its deadline.
+            await self._expire_detached(owner, [m for m in members if m != req])
         if route:
             prefer = ""  # affinity queues hold the default model's requests only
         # Read outside the transition, since they may live in other slots: the other partitions' queued

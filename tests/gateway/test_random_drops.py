@@ -322,7 +322,7 @@ async def test_a_client_that_closes_right_after_sending_is_let_go_at_once(server
     """Frames sent just before a closing handshake, with no frame read: the server read two of them ahead
     of the door (max_queue) and then nothing more, so it never saw the TCP close that websockets' send
     waited for, and held the connection, and its requests' streams and grants, for websockets' close
-    timeout (10 s; egress.py)."""
+    timeout (10 s then; egress.py)."""
     if door == "/v1/ws":
         ws = await websockets.connect(
             server.url, subprotocols=[Subprotocol(JSON_SUBPROTOCOL)], max_queue=None
@@ -333,7 +333,9 @@ async def test_a_client_that_closes_right_after_sending_is_let_go_at_once(server
     for f in _frames(door):
         await ws.send(json.dumps(f))
     await ws.close()
-    await _let_go_within(server, 6)  # far below the close timeout, far above the let-go (about 0.01 s)
+    # Below the close timeout (egress.CLOSE_TIMEOUT_S, 2 s), which alone would let it go too, far above
+    # the let-go (about 0.01 s).
+    await _let_go_within(server, 1.5)
     assert not server.gateway.connections and not server.gateway.response_sockets
 
 

@@ -310,6 +310,11 @@ async def test_a_user_at_its_limit_is_not_held_by_queued_requests_nobody_waits_f
     assert (end[b"d"], end[b"o"], end[b"c"]) == (b"cancelled", b"0", b"detach_timeout")
     assert await store.queued() == 2  # b and c
     assert (await store.submit("u1", "d", "fp", PAYLOAD)).outcome == "user_limit"  # b and c within 30 s
+    # The same chat sent again at the limit, past its timeout, is a client back: it attaches, and is kept.
+    await redis.hset(keys.request("u1", "b"), "attached_until", 0)
+    assert (await store.submit("u1", "b", "fp", PAYLOAD)).outcome == "attach"
+    info = await store.get("u1", "b")
+    assert info is not None and info.state == "queued"
 
     # A worker reaches the queue: a's entry starts nothing (and is not counted off twice); b and c run.
     entries = await store.take("w1", partition=store.keys.partition("u1"), count=10, block_ms=100)

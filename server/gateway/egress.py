@@ -5,17 +5,17 @@ Two ways a send can hold a connection long after its client is gone, and what th
 * **A client that stops reading** fills the socket buffers and blocks the send. Waiting for ever would pile
   its frames up in memory: after ``slow_reader_timeout_s`` the connection is aborted (its requests run on;
   the client can resume them).
-* **A client that closed** (its close frame was read) while the door had frames to send: websockets'
-  ``send`` then waits for the TCP connection to end, up to its close timeout (websockets' default 10 s,
-  CLOSE_TIMEOUT_S here). But the server reads only two frames ahead of the door (``max_queue=2``,
-  server.py), so when the client sent a frame or two before its close, websockets has stopped reading and cannot see the end it waits for, while the door,
-  their only reader, waits in ``send``. So :func:`send` fails at once on a socket that is not open, a door
-  stops reading once its socket is closing (:func:`closing`: nobody is there to answer, and a read would
-  wait for a TCP close only the client can send), and the door, once it stops, calls :func:`drain`: the
-  frames left unread are dropped, websockets reads on, and the connection ends as soon as the client's
-  does, or is aborted CLOSE_TIMEOUT_S later if the client never closes its end. Before, each such close
-  held the connection, and the streams and grants of its requests, for 10 s (and for ever on the
-  Responses WebSocket once it had sent its close and kept the TCP connection open).
+* **A client that closed** (its close frame was read) while the door had frames to send: websockets' ``send``
+  then waits for the TCP connection to end, up to its close timeout (websockets' default 10 s, CLOSE_TIMEOUT_S
+  here). But the server reads only two frames ahead of the door (``max_queue=2``, server.py), so when the
+  client sent a frame or two before its close, websockets has stopped reading and cannot see the end it waits
+  for, while the door, their only reader, waits in ``send``. So :func:`send` fails at once on a socket that is
+  not open, a door stops reading once its socket is closing (:func:`closing`: nobody is there to answer, and a
+  read would wait for a TCP close only the client can send), and the door, once it stops, calls :func:`drain`:
+  the frames left unread are dropped, websockets reads on, and the connection ends as soon as the client's
+  does, or is aborted CLOSE_TIMEOUT_S later if the client never closes its end. Before, each such close held
+  the connection, and the streams and grants of its requests, for 10 s (and for ever on the Responses
+  WebSocket once it had sent its close and kept the TCP connection open).
 
 A socket whose closing handshake started while its door was waiting for a frame never reaches
 :func:`drain`: the keepalive sweep aborts it once its close deadline has passed (keepalive.py). That

@@ -818,8 +818,9 @@ test("Stop of a chat whose answer was lost with its socket waits, then sends the
       else if (f.type === "cancel") send({ type: "done", id: f.id, finish_reason: "cancelled", offset: 0, usage: { prompt_tokens: 1, completion_tokens: 0, cached_tokens: 0 } });
     });
   });
+  let c;
   try {
-    const c = client(`ws://127.0.0.1:${wss.address().port}/v1/ws`, { subprotocols: ["json"], backoff: { initialMs: 5, maxMs: 5 } });
+    c = client(`ws://127.0.0.1:${wss.address().port}/v1/ws`, { subprotocols: ["json"], backoff: { initialMs: 5, maxMs: 5 } });
     await c.connect();
     c.setOnline(false);
     const stream = c.chat("hi", {}, { id: "lo1" });
@@ -832,6 +833,7 @@ test("Stop of a chat whose answer was lost with its socket waits, then sends the
     assert.equal(done.finishReason, "cancelled");
     assert.deepEqual(received.filter((f) => f.n === 2 && f.type !== "hello").map((f) => f.type), ["chat", "cancel"]);
   } finally {
+    c?.close(); // wss.close() waits for its connections to end
     await new Promise((r) => wss.close(r));
   }
 });

@@ -364,10 +364,11 @@ class RequestStore:
 
     async def _expire_detached(self, owner: str, req_keys: list[str]) -> None:
         """Cancel those of ``owner``'s queued requests that no client has been attached to for their detach
-        timeout (cancel.lua's "detach": the end start.lua would give them when a worker reached them). A
-        full count of requests in flight is read before it refuses: while no worker takes work (all of
-        them restarting or loading, or the queue long), a user who dropped off would otherwise be refused
-        every new request until a worker reached its abandoned ones."""
+        timeout (cancel.lua's "detach": the end start.lua would give them when a worker reached them).
+        submit calls it when the owner's in-flight set holds the limit's count, before submit.lua counts
+        them: while no worker takes work (all of them restarting or loading, or the queue long), a user
+        who dropped off would otherwise be refused every new request until a worker reached its abandoned
+        ones."""
         k = self.keys
         p = k.partition(owner)
         pipe = self.r.pipeline(transaction=False)

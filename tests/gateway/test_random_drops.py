@@ -339,6 +339,35 @@ async def test_a_client_that_closes_right_after_sending_is_let_go_at_once(server
     assert not server.gateway.connections and not server.gateway.response_sockets
 
 
+async def _raw_door(port: int, door: str) -> RawClient:
+    """A raw client of ``door`` whose door is reading: on /v1/ws past its hello (the welcome read)."""
+    c = await RawClient.connect(port, path=door)
+    if door == "/v1/ws":
+        c.send(BINARY, msgpack.packb({"type": "hello", "v": 1}))
+        assert (await asyncio.wait_for(c.recv(), 10))[0] == BINARY  # welcome
+    return c
+
+
+@contextlib.asynccontextmanager
+async def _reading_on(c: RawClient) -> AsyncIterator[asyncio.Event]:
+    """A client that has sent its close and keeps its end of the TCP connection, reading on; the event is
+    set once the server closes the connection. Aborted at the end of the block."""
+    lost = asyncio.Event()
+
+    async def read_on() -> None:
+        with contextlib.suppress(Exception):
+            while await c.reader.read(1 << 16):
+                pass
+        lost.set()
+
+    reading = asyncio.create_task(read_on())
+    try:
+        yield lost
+    finally:
+        reading.cancel()
+        c.writer.transport.abort()
+
+
 @pytest.mark.parametrize("door", ["/v1/ws", "/v1/responses"])
 async def test_a_client_that_sends_its_close_and_keeps_the_tcp_connection_is_let_go(
     server: Running, door: str
@@ -346,10 +375,8 @@ async def test_a_client_that_sends_its_close_and_keeps_the_tcp_connection_is_let
     """As above, but the client never closes its end of the TCP connection (it reads on): the door stops
     at the close, drops what is left, and aborts the connection egress.CLOSE_TIMEOUT_S (2 s) later. It was
     held for the close timeout (10 s) on /v1/ws, and for ever on the Responses WebSocket."""
-    c = await RawClient.connect(server.port, path=door)
+    c = await _raw_door(server.port, door)
     if door == "/v1/ws":
-        c.send(BINARY, msgpack.packb({"type": "hello", "v": 1}))
-        assert (await asyncio.wait_for(c.recv(), 10))[0] == BINARY  # welcome
         frames = [msgpack.packb(f) for f in _frames(door)[1:]]
         opcode = BINARY
     else:
@@ -358,18 +385,8 @@ async def test_a_client_that_sends_its_close_and_keeps_the_tcp_connection_is_let
     for f in frames:
         c.send(opcode, f)
     c.send(CLOSE, struct.pack("!H", 1000))
-
-    async def read_on() -> None:
-        with contextlib.suppress(Exception):
-            while await c.reader.read(1 << 16):
-                pass
-
-    reading = asyncio.create_task(read_on())
-    try:
+    async with _reading_on(c):
         await _let_go_within(server, 6)
-    finally:
-        reading.cancel()
-        c.writer.transport.abort()
 
 
 @pytest.mark.parametrize("door", ["/v1/ws", "/v1/responses"])
@@ -382,26 +399,11 @@ async def test_a_client_that_closes_an_idle_door_and_keeps_the_tcp_connection_is
     the connection goes within about 2.5 s."""
     st = GatewaySettings(port=0, ping_interval_s=2)
     async with running_server(redis, redis_url, keys, gateway=st) as server:
-        c = await RawClient.connect(server.port, path=door)
-        if door == "/v1/ws":
-            c.send(BINARY, msgpack.packb({"type": "hello", "v": 1}))
-            assert (await asyncio.wait_for(c.recv(), 10))[0] == BINARY  # welcome: the door waits now
-        else:
-            await asyncio.sleep(0.2)  # the door is reading
+        c = await _raw_door(server.port, door)
+        if door != "/v1/ws":
+            await asyncio.sleep(0.2)  # the door is reading (on /v1/ws its welcome says so)
         c.send(CLOSE, struct.pack("!H", 1000))
-        lost = asyncio.Event()
-
-        async def read_on() -> None:
-            with contextlib.suppress(Exception):
-                while await c.reader.read(1 << 16):
-                    pass
-            lost.set()
-
-        reading = asyncio.create_task(read_on())
-        try:
+        async with _reading_on(c) as lost:
             await _let_go_within(server, 6)
             assert not server.gateway.connections and not server.gateway.response_sockets
             await asyncio.wait_for(lost.wait(), 2)  # the server closed the TCP connection
-        finally:
-            reading.cancel()
-            c.writer.transport.abort()

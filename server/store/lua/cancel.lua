@@ -38,11 +38,11 @@ end
 local pt = prompt_len(KEYS[2], f[3])
 redis.call('HSET', req, 'state', 'cancelled', 'finish_reason', 'cancelled', 'updated_ms', now,
   'finished_ms', now, 'completion_tokens', total, 'prompt_tokens', pt)
+local done = {'d', 'cancelled', 'o', total, 'pt', pt}
 if detach then
-  redis.call('XADD', KEYS[2], total .. '-2', 'd', 'cancelled', 'o', total, 'pt', pt, 'c', 'detach_timeout')
-else
-  redis.call('XADD', KEYS[2], total .. '-2', 'd', 'cancelled', 'o', total, 'pt', pt)
+  done[#done + 1], done[#done + 2] = 'c', 'detach_timeout'
 end
+redis.call('XADD', KEYS[2], total .. '-2', unpack(done))
 redis.call('PEXPIRE', req, ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return state
